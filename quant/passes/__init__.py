@@ -1,1 +1,25 @@
+"""Graph optimisation passes, one module each, run in a fixed order by :func:`optimize`."""
+from __future__ import annotations
 
+from maceq.quant.ir import Graph
+from maceq.quant.passes.activation import fuse_activations
+from maceq.quant.passes.batchnorm import fold_batchnorm
+from maceq.quant.passes.constants import fold_constants
+from maceq.quant.passes.identity import remove_identities
+from maceq.quant.passes.pad import fold_pad
+
+__all__ = ["optimize", "fold_constants", "remove_identities", "fold_batchnorm", "fold_pad", "fuse_activations"]
+
+
+def optimize(graph: Graph, input_shapes: dict[str, list[int]]) -> Graph:
+    """Return an optimised copy: constants folded, Identity/Dropout removed,
+    BatchNormalization folded into Conv/Gemm, Pad folded into Conv, Relu/Clip fused."""
+    g = graph.copy()
+    remove_identities(g)
+    fold_constants(g, input_shapes)
+    fold_batchnorm(g)
+    fold_pad(g)
+    fuse_activations(g)
+    g.remove_unused()
+    g.toposort()
+    return g

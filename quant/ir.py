@@ -1,0 +1,194 @@
+"""maceq's float graph IR: ONNX-vocabulary nodes over named tensors.
+
+The IR keeps ONNX op types and attribute names (so any IR graph can be written
+back to ONNX and run in onnxruntime for calibration), plus a few maceq-only
+attributes that passes add (``maceq_act``: a fused activation clamp).
+
+Tensors are identified by name; names are unique in a graph, exactly as in
+ONNX. Reports and the quantizer match tensors by these names (identity), never
+by suffix.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from maceq.errors import MaceqError
+
+#: maceq-only attribute: (lo, hi) clamp of a fused activation, floats, hi may be inf.
+ACT_ATTR = "maceq_act"
+
+
+@dataclass
+class Node:
+    name: str
+    op_type: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict = field(default_factory=dict)
+
+    def attr(self, key, default=None):
+        return self.attrs.get(key, default)
+
+
+@dataclass
+class ValueInfo:
+    name: str
+    shape: list  # ints, or str for symbolic dims
+    elem_type: int = onnx.TensorProto.FLOAT
+
+
+@dataclass
+class Graph:
+    nodes: list[Node]
+    initializers: dict[str, np.ndarray]
+    inputs: list[ValueInfo]
+    outputs: list[str]
+    opset: int = 17
+    name: str = "graph"
+
+    # -- structure -----------------------------------------------------
+    def producers(self) -> dict[str, Node]:
+        return {o: n for n in self.nodes for o in n.outputs}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        out: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for i in n.inputs:
+                if i:
+                    out.setdefault(i, []).append(n)
+        return out
+
+    def is_const(self, name: str) -> bool:
+        return name in self.initializers
+
+    def const(self, name: str) -> np.ndarray:
+        return self.initializers[name]
+
+    def copy(self) -> "Graph":
+        return copy.deepcopy(self)
+
+    def toposort(self) -> None:
+        """Sort nodes topologically (stable); a cycle or a dangling input is an error."""
+        available = {vi.name for vi in self.inputs} | set(self.initializers) | {""}
+        producers = self.producers()
+        for n in self.nodes:
+            for i in n.inputs:
+                if i not in available and i not in producers:
+                    raise MaceqError(f"node '{n.name}' ({n.op_type}): input '{i}' is produced by no node, "
+                                     "initializer or graph input")
+        order: list[Node] = []
+        done = set(available)
+        pending = list(self.nodes)
+        while pending:
+            rest = []
+            for n in pending:
+                if all(i in done for i in n.inputs):
+                    order.append(n)
+                    done.update(n.outputs)
+                else:
+                    rest.append(n)
+            if len(rest) == len(pending):
+                raise MaceqError(f"graph has a cycle through node '{rest[0].name}' ({rest[0].op_type})")
+            pending = rest
+        self.nodes = order
+        for o in self.outputs:
+            if o not in done:
+                raise MaceqError(f"graph output '{o}' is produced by no node")
+
+    def remove_unused(self) -> None:
+        """Drop nodes and initializers that no graph output depends on."""
+        needed = set(self.outputs)
+        keep = []
+        for n in reversed(self.nodes):
+            if any(o in needed for o in n.outputs):
+                keep.append(n)
+                needed.update(i for i in n.inputs if i)
+        self.nodes = list(reversed(keep))
+        self.initializers = {k: v for k, v in self.initializers.items() if k in needed}
+
+    def replace_input(self, old: str, new: str) -> None:
+        for n in self.nodes:
+            n.inputs = [new if i == old else i for i in n.inputs]
+        self.outputs = [new if o == old else o for o in self.outputs]
+
+    def bypass(self, node: Node) -> None:
+        """Remove a single-input pass-through node, rewiring its consumers to its input.
+
+        When the node's output is a graph output, the producer of its input is
+        renamed instead, so graph output names never change.
+        """
+        src, dst = node.inputs[0], node.outputs[0]
+        self.nodes.remove(node)
+        if dst in self.outputs and src not in self.outputs and src not in {v.name for v in self.inputs}:
+            prod = self.producers().get(src)
+            if prod is not None and len(self.consumers().get(src, [])) == 0:
+                prod.outputs = [dst if o == src else o for o in prod.outputs]
+                return
+        self.replace_input(dst, src)
+
+    # -- ONNX round trip -------------------------------------------------
+    def to_onnx(self, *, extra_outputs: Iterable[str] = (), fixed_shapes: dict[str, list[int]] | None = None
+                ) -> onnx.ModelProto:
+        """Write the graph as an ONNX model that onnxruntime runs.
+
+        A node with a fused activation (``maceq_act``) becomes the op followed by
+        a Clip/Relu whose output carries the node's output name, so the tensor
+        that gets a scale is observed after its clamp.
+        """
+        onodes = []
+        for n in self.nodes:
+            attrs = {k: v for k, v in n.attrs.items() if not k.startswith("maceq_")}
+            act = n.attrs.get(ACT_ATTR)
+            if act is None:
+                onodes.append(helper.make_node(n.op_type, n.inputs, n.outputs, name=n.name, **attrs))
+                continue
+            pre = n.outputs[0] + "__maceq_preact"
+            onodes.append(helper.make_node(n.op_type, n.inputs, [pre], name=n.name + "__maceq_op", **attrs))
+            lo, hi = act
+            if np.isinf(hi) and lo == 0.0:
+                onodes.append(helper.make_node("Relu", [pre], [n.outputs[0]], name=n.name))
+            else:
+                lo_name, hi_name = n.outputs[0] + "__maceq_lo", n.outputs[0] + "__maceq_hi"
+                onodes.append(helper.make_node("Constant", [], [lo_name], name=lo_name,
+                                               value=numpy_helper.from_array(np.array(lo, np.float32))))
+                onodes.append(helper.make_node("Constant", [], [hi_name], name=hi_name,
+                                               value=numpy_helper.from_array(np.array(hi, np.float32))))
+                onodes.append(helper.make_node("Clip", [pre, lo_name, hi_name], [n.outputs[0]], name=n.name))
+        inits = [numpy_helper.from_array(np.asarray(v), k) for k, v in self.initializers.items()]
+        ins = []
+        for vi in self.inputs:
+            shape = (fixed_shapes or {}).get(vi.name, vi.shape)
+            ins.append(helper.make_tensor_value_info(vi.name, vi.elem_type, shape))
+        outs = []
+        seen = set()
+        for o in list(self.outputs) + list(extra_outputs):
+            if o in seen:
+                continue
+            seen.add(o)
+            outs.append(helper.make_empty_tensor_value_info(o))
+        g = helper.make_graph(onodes, self.name, ins, outs, inits)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", self.opset)], producer_name="maceq")
+        m.ir_version = min(m.ir_version, 8)
+        return m
+
+    def infer_shapes(self, input_shapes: dict[str, list[int]]) -> dict[str, tuple[int, ...]]:
+        """Static shapes of every tensor for the given input shapes (onnx shape inference)."""
+        model = self.to_onnx(fixed_shapes=input_shapes)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+        except Exception as e:  # onnx raises several types here
+            raise MaceqError(f"shape inference failed: {str(e).splitlines()[0]}") from None
+        shapes: dict[str, tuple[int, ...]] = {}
+        for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input):
+            dims = vi.type.tensor_type.shape.dim
+            if all(d.HasField("dim_value") for d in dims) and vi.type.tensor_type.HasField("shape"):
+                shapes[vi.name] = tuple(int(d.dim_value) for d in dims)
+        for k, v in self.initializers.items():
+            shapes[k] = tuple(np.shape(v))
+        return shapes

@@ -1,0 +1,132 @@
+"""Constant folding, including shape sub-graphs with a symbolic batch.
+
+EfficientNet-Lite0 computes its final Reshape target as
+``Shape(input) -> Gather(0) -> Unsqueeze -> Concat([N, -1])``. The batch size N
+is dynamic, so the folded value keeps it as the symbol :data:`BATCH`; a Reshape
+whose target starts with the symbol gets ``0`` there ("copy this dim"), which
+keeps the model batch-agnostic. Everything else with constant inputs is
+evaluated with onnx's reference evaluator.
+"""
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from maceq.errors import MaceqError
+from maceq.quant.ir import Graph, Node
+
+
+class _Sym:
+    """The dynamic batch dimension inside a folded shape value."""
+
+    def __repr__(self):
+        return "N"
+
+
+BATCH = _Sym()
+SHAPE_OPS = {"Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Cast", "Identity"}
+
+
+def _has_sym(a) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype == object and any(x is BATCH for x in a.ravel())
+
+
+def _eval_symbolic(node: Node, vals: list[np.ndarray]):
+    op = node.op_type
+    if op == "Gather":
+        data, idx = vals
+        return np.take(data, np.asarray(idx, np.int64), axis=node.attr("axis", 0))
+    if op == "Unsqueeze":
+        axes = list(vals[1]) if len(vals) > 1 else node.attr("axes")
+        out = vals[0]
+        for ax in sorted(int(a) % (out.ndim + len(axes)) for a in axes):
+            out = np.expand_dims(out, ax)
+        return out
+    if op == "Squeeze":
+        axes = list(vals[1]) if len(vals) > 1 else node.attr("axes")
+        return np.squeeze(vals[0], axis=tuple(int(a) for a in axes)) if axes is not None else np.squeeze(vals[0])
+    if op == "Concat":
+        return np.concatenate([np.atleast_1d(v).astype(object) for v in vals], axis=node.attr("axis", 0))
+    if op == "Slice":
+        data = vals[0]
+        starts, ends = vals[1], vals[2]
+        axes = vals[3] if len(vals) > 3 else range(len(starts))
+        steps = vals[4] if len(vals) > 4 else [1] * len(starts)
+        sl = [slice(None)] * data.ndim
+        for s, e, a, st in zip(starts, ends, axes, steps):
+            sl[int(a)] = slice(int(s), int(e), int(st))
+        return data[tuple(sl)]
+    if op in ("Cast", "Identity"):
+        return vals[0]
+    raise MaceqError(f"node '{node.name}' ({op}): cannot fold a symbolic shape through this op")
+
+
+def _eval_numeric(node: Node, vals: list[np.ndarray]) -> list[np.ndarray]:
+    ins = [f"i{k}" for k in range(len(vals))]
+    outs = [f"o{k}" for k in range(len(node.outputs))]
+    attrs = {k: v for k, v in node.attrs.items() if not k.startswith("maceq_")}
+    onode = helper.make_node(node.op_type, ins, outs, **attrs)
+    graph = helper.make_graph([onode], "fold", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                                                for n, v in zip(ins, vals)],
+                              [helper.make_empty_tensor_value_info(o) for o in outs])
+    try:
+        ev = ReferenceEvaluator(helper.make_model(graph))
+        return ev.run(None, dict(zip(ins, vals)))
+    except Exception as e:
+        raise MaceqError(f"node '{node.name}' ({node.op_type}): constant folding failed: {str(e).splitlines()[0]}") from None
+
+
+def fold_constants(g: Graph, input_shapes: dict[str, list[int]]) -> int:
+    """Fold every node whose inputs are all known; returns the number folded."""
+    dynamic_batch = {vi.name for vi in g.inputs if not (isinstance(vi.shape[0], int) and vi.shape[0] > 0)} if g.inputs else set()
+    static_shapes = None
+    sym: dict[str, np.ndarray] = {}
+    folded = 0
+    for node in list(g.nodes):
+        known = [i for i in node.inputs if i]
+        if node.op_type == "Shape":
+            if static_shapes is None:
+                static_shapes = g.infer_shapes(input_shapes)
+            src = node.inputs[0]
+            if src not in static_shapes:
+                continue
+            shape = np.array(static_shapes[src], dtype=object)
+            if dynamic_batch and shape.size:
+                shape[0] = BATCH
+            sym[node.outputs[0]] = shape
+            g.nodes.remove(node)
+            folded += 1
+            continue
+        if not all(i in g.initializers or i in sym for i in known):
+            if node.op_type == "Reshape" and len(node.inputs) > 1 and node.inputs[1] in sym:
+                target = sym[node.inputs[1]].copy()
+                target[[x is BATCH for x in target]] = 0
+                name = node.name + "__shape"
+                g.initializers[name] = np.array(target.tolist(), np.int64)
+                node.inputs[1] = name
+            continue
+        vals = [g.initializers[i] if i in g.initializers else sym[i] for i in known]
+        if any(_has_sym(v) for v in vals):
+            if node.op_type not in SHAPE_OPS:
+                continue
+            res = np.asarray(_eval_symbolic(node, vals), dtype=object)
+            if _has_sym(res):
+                sym[node.outputs[0]] = res
+            else:
+                g.initializers[node.outputs[0]] = np.array(res.tolist(), np.int64)
+            g.nodes.remove(node)
+            folded += 1
+            continue
+        vals = [v.astype(np.int64) if v.dtype == object else v for v in vals]
+        outs = _eval_numeric(node, vals)
+        for name, val in zip(node.outputs, outs):
+            g.initializers[name] = np.asarray(val)
+        g.nodes.remove(node)
+        folded += 1
+    for node in g.nodes:
+        for i in node.inputs:
+            if i in sym:
+                raise MaceqError(f"node '{node.name}' ({node.op_type}) consumes the shape value '{i}', "
+                                 "which depends on the dynamic batch size")
+    return folded

@@ -1,0 +1,74 @@
+"""Quantization parameters for the ``cpu`` profile, as MACE's converter computes them.
+
+Source: XiaoMi/mace tools/python/quantize/quantize_util.py (adjust_range,
+quantize, quantize_with_scale_and_zero) and tools/python/transform/transformer.py
+(add_quantize_tensor_range, quantize_weights). The arithmetic is Python float64,
+exactly as the converter does it; the results are stored in the model as float32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from maceq.errors import MaceqError
+
+
+@dataclass(frozen=True)
+class AffineParams:
+    """uint8 affine parameters: real = scale * (q - zero_point), q in [0, 255]."""
+
+    scale: float
+    zero_point: int
+    minval: float
+    maxval: float
+
+
+def adjust_range(in_min: float, in_max: float, *, non_zero: bool) -> AffineParams:
+    """MACE's adjust_range (CPU/GPU): make 0 exactly representable.
+
+    With ``non_zero`` (weights), the range is widened so that no weight quantizes
+    to 0 (gemmlowp's LHS must stay in [1, 255]) and the zero point is rounded up
+    when it is not an integer.
+    """
+    in_min, in_max = float(in_min), float(in_max)
+    if not (math.isfinite(in_min) and math.isfinite(in_max)):
+        raise MaceqError(f"range [{in_min}, {in_max}] is not finite")
+    out_max = max(0.0, in_max)
+    out_min = min(0.0, in_min)
+    if non_zero:
+        out_min = min(out_min, in_min - (out_max - in_min) / 254.0)
+    scale = (out_max - out_min) / 255.0
+    eps = 1e-6
+    if out_min < -eps and out_max > eps:
+        zero = -out_min / scale
+        zero_int = int(round(zero))  # Python round: half to even, as the converter
+        if abs(zero - zero_int) > eps and non_zero:
+            zero_int = int(math.ceil(zero))
+    elif out_min > -eps:
+        zero_int = 0
+    else:
+        zero_int = 255
+    if scale == 0.0:
+        # A constant-zero tensor: MACE would divide by zero. Any positive scale
+        # represents it exactly; use the smallest normal float32.
+        scale = float(np.finfo(np.float32).tiny)
+    return AffineParams(scale, zero_int, -zero_int * scale, (255 - zero_int) * scale)
+
+
+def quantize_weights(w: np.ndarray) -> tuple[np.ndarray, AffineParams]:
+    """MACE's quantize(data, device=CPU, non_zero=True): per-tensor uint8 weights."""
+    data = np.asarray(w, dtype=np.float64)
+    p = adjust_range(data.min(), data.max(), non_zero=True)
+    q = np.clip(np.round(p.zero_point + data / p.scale).astype(np.int32), 0, 255).astype(np.uint8)
+    return q, p
+
+
+def quantize_bias(b: np.ndarray, scale: float) -> np.ndarray:
+    """MACE's quantize_with_scale_and_zero(bias, s_in * s_w, 0) as int32."""
+    data = np.asarray(b, dtype=np.float64)
+    q = np.round(data / scale)
+    if np.any(np.abs(q) > 2**31 - 1):
+        raise MaceqError("bias does not fit in int32 at scale %g" % scale)
+    return q.astype(np.int32)

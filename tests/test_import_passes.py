@@ -1,0 +1,89 @@
+"""ONNX import and graph passes: the optimised graph computes what the original computes."""
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from maceq.errors import MaceqError
+from maceq.quant.ir import ACT_ATTR
+from maceq.quant.onnx_import import fix_input_shapes, import_onnx, load_onnx
+from maceq.quant.passes import optimize
+
+MODELS = Path(__file__).resolve().parents[2] / "shared" / "data" / "models"
+
+
+def _run(model: onnx.ModelProto, x):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x})[0]
+
+
+@pytest.mark.parametrize("name,n_conv,n_fused", [("fmnist_mobilenet", 20, 14), ("mobilenet_v2", 52, 35),
+                                                  ("efficientnet_lite0", 49, 33)])
+def test_shared_models_optimise_exactly(name, n_conv, n_fused):
+    model = load_onnx(MODELS / f"{name}.onnx")
+    g = import_onnx(model, source=name)
+    shapes = fix_input_shapes(g, None)
+    opt = optimize(g, shapes)
+    ops = [n.op_type for n in opt.nodes]
+    assert ops.count("Conv") == n_conv
+    assert sum(1 for n in opt.nodes if n.attrs.get(ACT_ATTR) is not None) == n_fused
+    assert "Clip" not in ops and "Constant" not in ops and "Shape" not in ops
+    x = np.random.default_rng(0).standard_normal((2, *shapes["input"][1:])).astype(np.float32)
+    np.testing.assert_array_equal(_run(opt.to_onnx(), x), _run(model, x))
+
+
+def test_efficientnet_shape_subgraph_keeps_batch_dynamic():
+    g = import_onnx(load_onnx(MODELS / "efficientnet_lite0.onnx"))
+    opt = optimize(g, fix_input_shapes(g, None))
+    reshape = [n for n in opt.nodes if n.op_type == "Reshape"]
+    assert len(reshape) == 1
+    assert opt.const(reshape[0].inputs[1]).tolist() == [0, -1]
+
+
+def _tiny(nodes, inits, opset=17, in_shape=(1, 3, 8, 8)):
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(in_shape))],
+                          [helper.make_empty_tensor_value_info("y")],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_batchnorm_pad_dropout_fold():
+    rng = np.random.default_rng(1)
+    inits = {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32),
+             "g": rng.uniform(0.5, 2, 4).astype(np.float32), "be": rng.standard_normal(4).astype(np.float32),
+             "m": rng.standard_normal(4).astype(np.float32), "v": rng.uniform(0.5, 2, 4).astype(np.float32),
+             "pads": np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)}
+    nodes = [helper.make_node("Pad", ["x", "pads"], ["p"]),
+             helper.make_node("Conv", ["p", "w", "b"], ["c"]),
+             helper.make_node("BatchNormalization", ["c", "g", "be", "m", "v"], ["bn"], epsilon=1e-3),
+             helper.make_node("Dropout", ["bn"], ["d"]),
+             helper.make_node("Relu", ["d"], ["y"])]
+    model = _tiny(nodes, inits)
+    g = import_onnx(model)
+    opt = optimize(g, fix_input_shapes(g, None))
+    assert [n.op_type for n in opt.nodes] == ["Conv"]
+    assert opt.nodes[0].attrs["pads"] == [1, 1, 1, 1] and opt.nodes[0].attrs[ACT_ATTR] == (0.0, float("inf"))
+    x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(_run(opt.to_onnx(), x), _run(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_models_fail_clearly(tmp_path):
+    cyc = _tiny([helper.make_node("Relu", ["z"], ["y"], name="r1"), helper.make_node("Relu", ["y"], ["z"], name="r2")], {})
+    with pytest.raises(MaceqError, match="cycle|produced by no"):
+        import_onnx(cyc)
+    dangling = _tiny([helper.make_node("Add", ["x", "nope"], ["y"], name="add0")], {})
+    with pytest.raises(MaceqError, match="add0.*nope"):
+        import_onnx(dangling)
+    with pytest.raises(MaceqError, match="opset 9"):
+        import_onnx(_tiny([helper.make_node("Relu", ["x"], ["y"])], {}, opset=9))
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(MaceqError, match="bad.onnx"):
+        load_onnx(bad)
+    dyn = _tiny([helper.make_node("Relu", ["x"], ["y"])], {}, in_shape=("N", 3, "H", "W"))
+    with pytest.raises(MaceqError, match="--input-shape"):
+        fix_input_shapes(import_onnx(dyn), None)
+    assert fix_input_shapes(import_onnx(dyn), [1, 3, 16, 16]) == {"x": [1, 3, 16, 16]}
