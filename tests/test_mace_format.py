@@ -8,6 +8,7 @@ mace.proto parsed by a tiny parser written here.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import struct
@@ -567,3 +568,75 @@ def test_add_arg_and_get_arg_match_the_reference_encoding(ref):
     assert get_arg(op, "strides") == [1, 1] and get_arg(op, "nope", None) is None
     with pytest.raises(MaceqError, match="c: no arg 'nope'"):
         get_arg(op, "nope")
+
+
+# ---------------------------------------------------------------------------
+# The quantization parameters MACE's converter wrote (documented in
+# docs/dev/mace-format.md), reproduced from the range file and the ONNX weights.
+
+
+def _adjust_range(in_min: float, in_max: float, *, non_zero: bool):
+    """Transcription of tools/python/quantize/quantize_util.py adjust_range (CPU)."""
+    out_max = max(0.0, in_max)
+    out_min = min(0.0, in_min)
+    if non_zero:
+        out_min = min(out_min, in_min - (out_max - in_min) / 254.0)
+    scale = (out_max - out_min) / 255.0
+    eps = 1e-6
+    if out_min < -eps and out_max > eps:
+        zero = -out_min / scale
+        zero_int = int(round(zero))
+        if abs(zero - zero_int) > eps and non_zero:
+            zero_int = int(math.ceil(zero))
+    elif out_min > -eps:
+        zero_int = 0
+    else:
+        zero_int = 255
+    return scale, zero_int, -zero_int * scale, (255 - zero_int) * scale
+
+
+def test_reference_quantization_parameters_follow_the_documented_rules(ref):
+    onnx = pytest.importorskip("onnx")
+    from onnx import numpy_helper
+
+    weights = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(ONNX_MODEL)).graph.initializer}
+    ranges = read_ranges(REF / "fmnist_ranges.txt")
+    net = ref.net_def
+    tensors = {t.name: t for t in net.tensors}
+    act: dict[str, tuple] = {}
+    mismatches = 0
+    for op in net.op:
+        for out, info in zip(op.output, op.quantize_info):
+            got = (info.scale, info.zero_point, info.minval, info.maxval)
+            if op.type == "Reduce":  # copies its producer's info
+                want = act[op.input[0]]
+            else:
+                key = op.input[0] if op.type == "Quantize" else out.removeprefix("mace_output_node_")
+                s, z, lo, hi = _adjust_range(*ranges[key], non_zero=False)
+                want = (_f32(s), z, _f32(lo), _f32(hi))
+            act[out] = want
+            mismatches += want != got
+    assert len(act) == 26 and mismatches == 0
+
+    code_mismatches = 0
+    for op in net.op:
+        if len(op.input) != 3:
+            continue
+        w, b = tensors[op.input[1]], tensors[op.input[2]]
+        wf = weights[w.name].astype(np.float64)
+        s, z, lo, hi = _adjust_range(float(wf.min()), float(wf.max()), non_zero=True)
+        assert (w.scale, w.zero_point, w.minval, w.maxval) == (_f32(s), z, _f32(lo), _f32(hi))
+        if op.type == "Conv2D":
+            wf = wf.transpose(0, 2, 3, 1)
+        elif op.type == "DepthwiseConv2d":
+            wf = wf.transpose(2, 3, 0, 1)
+        else:
+            wf = wf.reshape(wf.shape[0], 1, 1, -1)
+        codes = np.clip(np.round(z + wf / s).astype(np.int32), 0, 255)  # float64 scale
+        code_mismatches += int((codes != ref.arrays[w.name]).sum())
+        bias_scale = float(np.float32(act[op.input[0]][0])) * float(w.scale)  # f32*f32 in f64
+        assert b.scale == _f32(bias_scale) and b.zero_point == 0
+        assert b.minval == 0.0 and b.maxval == 0.0 and b.quantized
+        bias = np.round(weights[b.name].astype(np.float64) / bias_scale).astype(np.int32)
+        code_mismatches += int((bias != ref.arrays[b.name]).sum())
+    assert code_mismatches == 0
