@@ -36,7 +36,6 @@ from typing import Any, Mapping
 
 import numpy as np
 import yaml
-from google.protobuf import message as _pb_message
 
 from maceq.errors import MaceqError
 from maceq.quant.mace import mace_pb2
@@ -265,7 +264,10 @@ def unpack_tensors(net_def, data: bytes, *, source: str = ".data") -> dict[str, 
         raise MaceqError(f"{source}: truncated: the net's weights need bytes "
                          f"{base}..{base + net_def.data_size} but the file has {len(data)}")
     for tensor in net_def.tensors:
-        dtype = numpy_dtype(tensor.data_type)
+        if tensor.data_type not in _NP_DTYPE:
+            raise MaceqError(f"{source}: tensor {tensor.name!r} has unsupported data type "
+                             f"{_dt_name(tensor.data_type)}")
+        dtype = _NP_DTYPE[tensor.data_type]
         dims = tuple(int(d) for d in tensor.dims)
         if any(d < 0 for d in dims):
             raise MaceqError(f"{source}: tensor {tensor.name!r} has negative dims {list(dims)}")
@@ -465,8 +467,9 @@ def parse_model_proto(payload: bytes, *, source: str = ".pb"):
     msg = cls()
     try:
         msg.ParseFromString(payload)
-    except (_pb_message.DecodeError, ValueError, RuntimeError) as e:
-        raise MaceqError(f"{source}: not a MACE model ({cls.__name__} does not parse: {e})") from None
+    except Exception as e:  # DecodeError, or whatever a backend raises on hostile bytes
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MaceqError(f"{source}: not a MACE model ({cls.__name__} does not parse: {reason})") from None
     if is_multi:
         if len(msg.net_def) != 1:
             raise MaceqError(f"{source}: has {len(msg.net_def)} subgraphs; maceq reads models "
