@@ -1,0 +1,147 @@
+"""Run the float model on calibration batches with onnxruntime and collect statistics.
+
+:func:`collect` exposes every requested tensor as a graph output (once, also
+when it already is one), runs the model batch by batch on the
+CPUExecutionProvider, fetches only the requested tensors, and folds each
+batch's activations into a :class:`~maceq.calibrate.stats.StatsCollector`
+before the next batch runs, so memory holds the activations of one batch at a
+time. A requested tensor that is a graph input is taken from the feed.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from tqdm import tqdm
+
+from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
+from maceq.errors import MaceqError
+
+__all__ = ["collect", "expose_outputs", "make_session"]
+
+
+def make_session(
+    model_bytes: bytes,
+    *,
+    intra_op_threads: int | None = None,
+) -> ort.InferenceSession:
+    """An onnxruntime CPU session for a serialized model.
+
+    ``intra_op_threads`` None (or 0) keeps onnxruntime's default (one thread
+    per physical core). Warnings from onnxruntime are silenced (severity 3).
+    """
+    so = ort.SessionOptions()
+    if intra_op_threads:
+        so.intra_op_num_threads = int(intra_op_threads)
+    so.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model_bytes, sess_options=so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+        raise MaceqError(f"onnxruntime cannot load the model: {str(e).splitlines()[0]}") from None
+
+
+def expose_outputs(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph outputs include every name (each once).
+
+    Names must be node outputs or graph inputs; anything else raises
+    MaceqError naming the tensor. Graph inputs are not added as outputs.
+    """
+    graph = model.graph
+    produced = {o for n in graph.node for o in n.output if o}
+    inputs = {i.name for i in graph.input}
+    for name in tensor_names:
+        if name not in produced and name not in inputs:
+            raise MaceqError(f"tensor '{name}' is not produced by any node of the model")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    have = {o.name for o in out.graph.output}
+    known_vi = {vi.name: vi for vi in out.graph.value_info}
+    for name in dict.fromkeys(tensor_names):
+        if name in have or name in inputs:
+            continue
+        vi = out.graph.output.add()
+        if name in known_vi:
+            vi.CopyFrom(known_vi[name])
+        else:
+            vi.name = name
+        have.add(name)
+    return out
+
+
+def _feed(item: Any, input_name: str) -> dict[str, np.ndarray]:
+    data = getattr(item, "data", None)
+    if data is not None and hasattr(item, "paths"):
+        return {input_name: np.asarray(data, dtype=np.float32)}
+    if isinstance(item, Mapping):
+        return {str(k): np.asarray(v) for k, v in item.items()}
+    if isinstance(item, np.ndarray):
+        return {input_name: item}
+    raise MaceqError(f"calibration batch of type {type(item).__name__}: expected a Batch, dict or array")
+
+
+def _batch_len(feed: Mapping[str, np.ndarray]) -> int:
+    for v in feed.values():
+        return int(v.shape[0]) if v.ndim else 1
+    return 0
+
+
+def collect(
+    model: onnx.ModelProto,
+    tensor_names: Sequence[str],
+    batches: Iterable[Any],
+    *,
+    input_name: str | None = None,
+    total: int | None = None,
+    progress: bool = True,
+    num_bins: int = DEFAULT_BINS,
+    intra_op_threads: int | None = None,
+) -> StatsCollector:
+    """Statistics of ``tensor_names`` over all ``batches``.
+
+    ``batches``: :class:`~maceq.datasets.images.Batch` objects (fed to
+    ``input_name``, by default the model's only input), dicts input name ->
+    array, or arrays. ``total``: the number of samples, for the progress bar,
+    which advances by each batch's leading dimension; it is shown on stderr
+    when ``progress`` is true and stderr is a terminal.
+    """
+    names = list(dict.fromkeys(tensor_names))
+    if not names:
+        raise MaceqError("no tensors to calibrate")
+    graph_inputs = [i.name for i in model.graph.input
+                    if i.name not in {t.name for t in model.graph.initializer}]
+    if input_name is None:
+        if len(graph_inputs) != 1:
+            raise MaceqError(f"model has {len(graph_inputs)} inputs {graph_inputs}; name the one to feed")
+        input_name = graph_inputs[0]
+    elif input_name not in graph_inputs:
+        raise MaceqError(f"model has no input '{input_name}' (inputs: {', '.join(graph_inputs)})")
+    sess = make_session(expose_outputs(model, names).SerializeToString(), intra_op_threads=intra_op_threads)
+    fetch = [n for n in names if n not in graph_inputs]
+    from_feed = [n for n in names if n in graph_inputs]
+
+    stats = StatsCollector(names, num_bins=num_bins)
+    show = bool(progress) and sys.stderr.isatty()
+    seen = 0
+    with tqdm(total=total, disable=not show, unit="img", desc="calibrate", leave=False) as bar:
+        for item in batches:
+            feed = _feed(item, input_name)
+            n_samples = _batch_len(feed)
+            try:
+                outs = sess.run(fetch, feed) if fetch else []
+            except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+                raise MaceqError(f"onnxruntime failed on calibration batch {seen}: {str(e).splitlines()[0]}") from None
+            for name in from_feed:
+                if name not in feed:
+                    raise MaceqError(f"calibration batch {seen} does not feed input '{name}'")
+                stats.stats[name].update(feed[name])
+            for name, arr in zip(fetch, outs):
+                stats.stats[name].update(arr)
+            del outs, feed
+            seen += 1
+            bar.update(n_samples)
+    if seen == 0:
+        raise MaceqError("no calibration batches")
+    return stats
