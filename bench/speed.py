@@ -1,0 +1,72 @@
+"""Speed benchmark: maceq's cpu simulation against onnxruntime float, measured in the same run.
+
+    python bench/speed.py [--model ../shared/data/models/mobilenet_v2.onnx] [--images DIR] [--repeat 5]
+
+Prints, for MobileNetV2 at batch 1 and batch 8, the median latency of onnxruntime's
+float model and of maceq's fixed-point cpu simulation, and their ratio; and the
+calibration throughput in images per second. The target is a simulation within
+4x of onnxruntime's float time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from maceq.datasets.preprocess import preprocess_from_args
+from maceq.quant.config import QuantConfig
+from maceq.quant.pipeline import quantize
+from maceq.runtime.model import load
+
+HERE = Path(__file__).resolve().parent
+SHARED = HERE.parent.parent / "shared" / "data"
+
+
+def median_time(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(SHARED / "models" / "mobilenet_v2.onnx"))
+    p.add_argument("--images", default=str(SHARED / "photos" / "calib"))
+    p.add_argument("--calib-images", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=5)
+    args = p.parse_args(argv)
+    pre = preprocess_from_args("imagenet")
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        res = quantize(args.model, args.images, output_dir=tmp, preprocess=pre,
+                       config=QuantConfig(max_images=args.calib_images), progress=False)
+        t_quant = time.perf_counter() - t0
+        model = load(res.files.yml)
+    so = ort.SessionOptions()
+    sess = ort.InferenceSession(args.model, so, providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    print(f"model {args.model}")
+    print(f"quantize (import + calibration on {res.n_calib_images} images + write): {t_quant:.2f} s "
+          f"= {res.n_calib_images / t_quant:.1f} images/s end to end")
+    rng = np.random.default_rng(0)
+    print(f"{'batch':>5} {'onnxruntime fp32':>18} {'maceq cpu sim':>15} {'ratio':>7}")
+    for batch in (1, 8):
+        x = rng.standard_normal((batch, 3, 224, 224)).astype(np.float32)
+        t_ort = median_time(lambda: sess.run(None, {name: x}), args.repeat)
+        t_sim = median_time(lambda: model.run({name: x}, device="cpu"), args.repeat)
+        print(f"{batch:>5} {1000 * t_ort:>15.1f} ms {1000 * t_sim:>12.1f} ms {t_sim / t_ort:>6.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""Optimised float IR + activation ranges -> a uint8 MACE NetDef (cpu profile).
+
+This follows the conventions of the model that MACE's own converter produced
+(../shared/data/mace_reference, documented in docs/mace-format.md): NHWC
+activations, OHWI Conv2D weights, [KH, KW, C, M] depthwise weights, [O, H, W, C]
+FullyConnected weights, ``padding_values`` holding the total padding, a
+Quantize op at each input and a Dequantize op at each output, and a
+QuantizeActivationInfo on every op.
+
+Every op type emitted here is one that MACE's CPU runtime registers a uint8
+kernel for (Conv2D, DepthwiseConv2d, FullyConnected, Eltwise SUM/SUB, Pooling,
+Reduce mean, Concat, Softmax, Quantize, Dequantize).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from maceq.errors import MaceqError
+from maceq.quant.ir import ACT_ATTR, Graph, Node
+from maceq.quant.mace import mace_pb2
+from maceq.quant.scheme import AffineParams, adjust_range, quantize_bias, quantize_weights
+
+DT_FLOAT, DT_UINT8, DT_INT32 = mace_pb2.DT_FLOAT, mace_pb2.DT_UINT8, mace_pb2.DT_INT32
+FRAMEWORK_ONNX = 2
+DF_NONE, DF_NHWC, DF_NCHW, DF_AUTO = 0, 1, 2, 1000
+INPUT_PREFIX, OUTPUT_PREFIX = "mace_input_node_", "mace_output_node_"
+#: Net-level arguments exactly as MACE's converter writes them for an ONNX model on the CPU.
+NET_ARGS = (("filter_format", 103), ("data_format", DF_NCHW), ("framework_type", FRAMEWORK_ONNX),
+            ("opencl_mem_type", 2), ("runtime_type", 0), ("quantize_flag", 1))
+ELTWISE_TYPES = {"Add": 0, "Sub": 1}
+POOL_AVG, POOL_MAX = 1, 2
+
+
+@dataclass
+class BuiltModel:
+    """A MACE model in memory: the proto, the weight arrays by name, the ranges used."""
+
+    multi_net_def: object
+    arrays: dict[str, np.ndarray]
+    ranges: dict[str, tuple[float, float]]
+    op_sources: dict[str, str] = field(default_factory=dict)  # MACE op name -> IR node name
+
+
+def _arg(op, name, value):
+    a = op.arg.add()
+    a.name = name
+    if isinstance(value, str):
+        a.s = value.encode()
+    elif isinstance(value, float):
+        a.f = value
+    elif isinstance(value, (list, tuple)):
+        a.ints.extend(int(v) for v in value)
+    else:
+        a.i = int(value)
+    return a
+
+
+def _nhwc(shape) -> list[int]:
+    shape = list(shape)
+    return [shape[0], shape[2], shape[3], shape[1]] if len(shape) == 4 else shape
+
+
+def _total_pads(node: Node) -> list[int]:
+    t, l, b, r = (list(node.attr("pads", [0, 0, 0, 0])) + [0] * 4)[:4]
+    for lead, trail, what in ((t, b, "top/bottom"), (l, r, "left/right")):
+        if lead != (lead + trail) >> 1:
+            raise MaceqError(f"node '{node.name}': {what} pads ({lead}, {trail}) cannot be expressed as MACE "
+                             "padding_values (leading pad must be total >> 1)")
+    return [t + b, l + r]
+
+
+class MaceBuilder:
+    """Builds one NetDef from an optimised IR graph for the cpu profile."""
+
+    def __init__(self, graph: Graph, ranges: dict[str, tuple[float, float]], shapes: dict[str, tuple[int, ...]],
+                 *, model_name: str):
+        self.g = graph
+        self.ranges = ranges
+        self.shapes = shapes
+        self.model_name = model_name
+        self.net = mace_pb2.NetDef()
+        self.arrays: dict[str, np.ndarray] = {}
+        self.qinfo: dict[str, AffineParams] = {}
+        self.rename: dict[str, str] = {}  # IR tensor -> MACE tensor (views, inputs)
+        self.view_src: dict[str, str] = {}  # Flatten/Reshape output -> its input (folded into FC)
+        self.op_sources: dict[str, str] = {}
+        self.used_ranges: dict[str, tuple[float, float]] = {}
+
+    # -- helpers -----------------------------------------------------------
+    def _range_q(self, tensor: str) -> AffineParams:
+        if tensor not in self.ranges:
+            raise MaceqError(f"tensor '{tensor}' has no calibrated range")
+        lo, hi = self.ranges[tensor]
+        self.used_ranges[tensor] = (float(lo), float(hi))
+        return adjust_range(lo, hi, non_zero=False)
+
+    def _qinfo_msg(self, op, p: AffineParams):
+        qi = op.quantize_info.add()
+        qi.scale, qi.zero_point, qi.minval, qi.maxval = p.scale, p.zero_point, p.minval, p.maxval
+
+    def _f32(self, x: float) -> float:
+        return float(np.float32(x))
+
+    def _add_const(self, name: str, arr: np.ndarray, dtype, p: AffineParams | None):
+        t = self.net.tensors.add()
+        t.dims.extend(int(d) for d in arr.shape)
+        t.data_type = dtype
+        t.name = name
+        if p is not None:
+            t.scale, t.zero_point, t.minval, t.maxval = p.scale, p.zero_point, p.minval, p.maxval
+            t.quantized = True
+        self.arrays[name] = arr
+
+    def _new_op(self, node_name: str, op_type: str, inputs, outputs, *, source: str | None = None):
+        op = self.net.op.add()
+        op.input.extend(inputs)
+        op.output.extend(outputs)
+        op.name = node_name
+        op.type = op_type
+        _arg(op, "T", DT_UINT8)
+        self.op_sources[node_name] = source if source is not None else node_name
+        return op
+
+    def _common(self, op):
+        _arg(op, "framework_type", FRAMEWORK_ONNX)
+        _arg(op, "data_format", DF_AUTO)
+
+    def _src(self, tensor: str) -> str:
+        return self.rename.get(tensor, tensor)
+
+    def _in_q(self, tensor: str) -> AffineParams:
+        return self.qinfo[self._src(tensor)]
+
+    def _finish(self, op, node: Node, out_tensor: str, p: AffineParams):
+        shape = self.shapes.get(out_tensor)
+        if shape is None:
+            raise MaceqError(f"node '{node.name}': unknown shape of output '{out_tensor}'")
+        op.output_shape.add().dims.extend(_nhwc(shape))
+        self._qinfo_msg(op, p)
+        self.qinfo[op.output[0]] = p
+
+    # -- per-op emitters -----------------------------------------------------
+    def _weights_and_bias(self, node: Node, w_mace: np.ndarray, bias: np.ndarray | None):
+        """Quantize the weights (uint8, non-zero) and the bias (int32 at s_in*s_w)."""
+        wq, wp = quantize_weights(w_mace)
+        wname = node.inputs[1]
+        self._add_const(wname, wq, DT_UINT8, wp)
+        names = [wname]
+        n_out = w_mace.shape[0] if node.op_type != "Conv" or not self._is_depthwise(node) else w_mace.shape[2] * w_mace.shape[3]
+        if bias is None:
+            bias = np.zeros(n_out, np.float32)
+        # transformer.py: scale = quantize_info[input].scale * consts[filter].scale, both float32 fields.
+        s_in = self._f32(self._in_q(node.inputs[0]).scale)
+        s_b = s_in * self._f32(wp.scale)
+        bname = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else node.name + "_bias"
+        self._add_const(bname, quantize_bias(bias, s_b), DT_INT32, AffineParams(s_b, 0, 0.0, 0.0))
+        names.append(bname)
+        return names
+
+    def _is_depthwise(self, node: Node) -> bool:
+        w = self.g.const(node.inputs[1])
+        group = int(node.attr("group", 1))
+        return group > 1 and w.shape[1] == 1 and group == self.shapes[node.inputs[0]][1]
+
+    def _out_q(self, node: Node, out: str) -> AffineParams:
+        return self._range_q(out)
+
+    def emit_conv(self, node: Node, out_name: str, op_name: str):
+        if not self.g.is_const(node.inputs[1]):
+            raise MaceqError(f"node '{node.name}' (Conv): weights are not constant")
+        w = self.g.const(node.inputs[1]).astype(np.float32)  # OIHW
+        if w.ndim != 4:
+            raise MaceqError(f"node '{node.name}' (Conv): only 2-D convolution is supported")
+        bias = self.g.const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+        depthwise = self._is_depthwise(node)
+        group = int(node.attr("group", 1))
+        if depthwise:
+            c = w.shape[0] // group
+            w_mace = w.reshape(group, c, w.shape[2], w.shape[3]).transpose(2, 3, 0, 1)  # [KH, KW, C, M]
+        else:
+            w_mace = w.transpose(0, 2, 3, 1)  # OHWI
+        if node.attr("auto_pad", "NOTSET") not in ("NOTSET", ""):
+            raise MaceqError(f"node '{node.name}' (Conv): auto_pad={node.attr('auto_pad')} is not supported; "
+                             "re-export with explicit pads")
+        op = self._new_op(op_name, "DepthwiseConv2d" if depthwise else "Conv2D", [], [out_name], source=node.name)
+        op.input.append(self._src(node.inputs[0]))
+        op.input.extend(self._weights_and_bias(node, w_mace, bias))
+        self._common(op)
+        _arg(op, "strides", node.attr("strides", [1, 1]))
+        _arg(op, "kernels", list(w.shape[2:]))
+        _arg(op, "padding_values", _total_pads(node))
+        _arg(op, "group", group)
+        _arg(op, "dilations", node.attr("dilations", [1, 1]))
+        self._activation_args(op, node)
+        self._finish(op, node, node.outputs[0], self._out_q(node, node.outputs[0]))
+
+    def _activation_args(self, op, node: Node):
+        act = node.attr(ACT_ATTR)
+        if act is None:
+            return
+        lo, hi = act
+        if lo == 0.0 and math.isinf(hi):
+            _arg(op, "activation", "RELU")
+        elif lo == 0.0:
+            _arg(op, "activation", "RELUX")
+            _arg(op, "max_limit", float(hi))
+        # Other clamps act only through the output range (MACE's uint8 kernels ignore
+        # the activation args anyway, see docs/semantics.md).
+
+    def emit_gemm(self, node: Node, out_name: str, op_name: str):
+        src = node.inputs[0]
+        in_shape = None
+        if src in self.view_src:
+            in_shape = self.shapes[self.view_src[src]]
+            src = self.view_src[src]
+        else:
+            in_shape = self.shapes[src]
+        if not self.g.is_const(node.inputs[1]):
+            raise MaceqError(f"node '{node.name}' ({node.op_type}): the weight matrix is not constant")
+        if node.attr("transA", 0):
+            raise MaceqError(f"node '{node.name}' (Gemm): transA=1 is not supported")
+        w = self.g.const(node.inputs[1]).astype(np.float64)
+        if node.op_type == "MatMul" or not node.attr("transB", 0):
+            w = w.T
+        w = w * float(node.attr("alpha", 1.0))
+        bias = None
+        if len(node.inputs) > 2 and node.inputs[2]:
+            if not self.g.is_const(node.inputs[2]):
+                raise MaceqError(f"node '{node.name}' (Gemm): bias is not constant")
+            bias = np.broadcast_to(self.g.const(node.inputs[2]).astype(np.float64) * float(node.attr("beta", 1.0)),
+                                   (w.shape[0],))
+        o = w.shape[0]
+        if len(in_shape) == 4:
+            _, c, h, wd = in_shape
+            if c * h * wd != w.shape[1]:
+                raise MaceqError(f"node '{node.name}': weight columns {w.shape[1]} != flattened input {c * h * wd}")
+            w_mace = w.reshape(o, c, h, wd).transpose(0, 2, 3, 1)  # [O, H, W, C], NHWC flatten order
+        elif len(in_shape) == 2:
+            w_mace = w.reshape(o, 1, 1, w.shape[1])
+        else:
+            raise MaceqError(f"node '{node.name}': FullyConnected input of rank {len(in_shape)} is not supported")
+        op = self._new_op(op_name, "FullyConnected", [self._src(src)], [out_name], source=node.name)
+        node_for_q = Node(node.name, node.op_type, [src] + node.inputs[1:], node.outputs, node.attrs)
+        op.input.extend(self._weights_and_bias(node_for_q, w_mace.astype(np.float32), bias))
+        self._common(op)
+        _arg(op, "transpose_a", 0)
+        _arg(op, "transpose_b", 1)
+        self._activation_args(op, node)
+        shape = (in_shape[0], o, 1, 1)
+        self.shapes[node.outputs[0] + "__fc4d"] = shape
+        op.output_shape.add().dims.extend([shape[0], 1, 1, o])
+        p = self._out_q(node, node.outputs[0])
+        self._qinfo_msg(op, p)
+        self.qinfo[out_name] = p
+
+    def emit_eltwise(self, node: Node, out_name: str, op_name: str):
+        for i in node.inputs:
+            if self.g.is_const(i):
+                raise MaceqError(f"node '{node.name}' ({node.op_type}): a constant operand is not supported "
+                                 "by MACE's uint8 Eltwise")
+        op = self._new_op(op_name, "Eltwise", [self._src(i) for i in node.inputs], [out_name], source=node.name)
+        self._common(op)
+        _arg(op, "type", ELTWISE_TYPES[node.op_type])
+        _arg(op, "has_data_format", 1)
+        self._finish(op, node, node.outputs[0], self._out_q(node, node.outputs[0]))
+
+    def emit_global_pool(self, node: Node, out_name: str, op_name: str):
+        op = self._new_op(op_name, "Reduce", [self._src(node.inputs[0])], [out_name], source=node.name)
+        self._common(op)
+        _arg(op, "reduce_type", 0)
+        _arg(op, "axis", [1, 2])
+        _arg(op, "keepdims", 1)
+        _arg(op, "has_data_format", 1)
+        # transformer.py add_quantize_tensor_range: Reduce copies its producer's quantize info.
+        self._finish(op, node, node.outputs[0], self._in_q(node.inputs[0]))
+
+    def emit_pool(self, node: Node, out_name: str, op_name: str):
+        if node.attr("ceil_mode", 0):
+            raise MaceqError(f"node '{node.name}' ({node.op_type}): ceil_mode=1 is not supported")
+        if node.op_type == "AveragePool" and node.attr("count_include_pad", 0) and any(node.attr("pads", [0])):
+            raise MaceqError(f"node '{node.name}' (AveragePool): count_include_pad=1 with padding is not supported")
+        op = self._new_op(op_name, "Pooling", [self._src(node.inputs[0])], [out_name], source=node.name)
+        self._common(op)
+        _arg(op, "pooling_type", POOL_AVG if node.op_type == "AveragePool" else POOL_MAX)
+        _arg(op, "kernels", node.attr("kernel_shape"))
+        _arg(op, "strides", node.attr("strides", [1, 1]))
+        _arg(op, "padding_values", _total_pads(node))
+        _arg(op, "dilations", node.attr("dilations", [1, 1]))
+        _arg(op, "round_mode", 0)
+        self._finish(op, node, node.outputs[0], self._in_q(node.inputs[0]))
+
+    def emit_concat(self, node: Node, out_name: str, op_name: str):
+        rank = len(self.shapes[node.outputs[0]])
+        axis = int(node.attr("axis", 1)) % rank
+        if rank == 4:
+            axis = [0, 3, 1, 2][axis]
+        op = self._new_op(op_name, "Concat", [self._src(i) for i in node.inputs], [out_name], source=node.name)
+        self._common(op)
+        _arg(op, "axis", axis)
+        self._finish(op, node, node.outputs[0], self._out_q(node, node.outputs[0]))
+
+    def emit_softmax(self, node: Node, out_name: str, op_name: str):
+        rank = len(self.shapes[node.outputs[0]])
+        if int(node.attr("axis", -1)) % rank != rank - 1 and rank != 4:
+            raise MaceqError(f"node '{node.name}' (Softmax): only the last axis is supported")
+        op = self._new_op(op_name, "Softmax", [self._src(node.inputs[0])], [out_name], source=node.name)
+        self._common(op)
+        # transformer.py: Softmax output quantize info is adjust_range(0, 1).
+        self._finish(op, node, node.outputs[0], adjust_range(0.0, 1.0, non_zero=False))
+
+    EMITTERS = {"Conv": emit_conv, "Gemm": emit_gemm, "MatMul": emit_gemm, "Add": emit_eltwise,
+                "Sub": emit_eltwise, "GlobalAveragePool": emit_global_pool, "MaxPool": emit_pool,
+                "AveragePool": emit_pool, "Concat": emit_concat, "Softmax": emit_softmax}
+    VIEW_OPS = ("Flatten", "Reshape", "Squeeze")
+
+    # -- whole graph ---------------------------------------------------------------
+    def build(self, *, input_formats: dict[str, str]) -> BuiltModel:
+        g = self.g
+        consumers = g.consumers()
+        for node in g.nodes:
+            if node.op_type in self.VIEW_OPS:
+                cons = consumers.get(node.outputs[0], [])
+                if cons and all(c.op_type in ("Gemm", "MatMul") for c in cons) and node.outputs[0] not in g.outputs:
+                    self.view_src[node.outputs[0]] = node.inputs[0]
+                    continue
+                raise MaceqError(f"node '{node.name}' ({node.op_type}): MACE has no uint8 {node.op_type}; "
+                                 "only a Flatten/Reshape feeding a Gemm/MatMul (folded into FullyConnected) is supported")
+            if node.op_type not in self.EMITTERS:
+                raise MaceqError(f"node '{node.name}': unsupported op type '{node.op_type}' for the cpu device")
+        # inputs: a Quantize op each
+        for vi in g.inputs:
+            qname = INPUT_PREFIX + vi.name
+            op = self.net.op.add()
+            op.input.append(vi.name)
+            op.output.append(qname)
+            op.name = qname
+            op.type = "Quantize"
+            _arg(op, "T", DT_UINT8)
+            _arg(op, "data_format", DF_NHWC)
+            _arg(op, "find_range_every_time", 1)
+            shape = self.shapes[vi.name]
+            op.output_shape.add().dims.extend(_nhwc(shape))
+            p = self._range_q(vi.name)
+            self._qinfo_msg(op, p)
+            self.qinfo[qname] = p
+            self.rename[vi.name] = qname
+            self.op_sources[qname] = vi.name
+        outputs = set(g.outputs)
+        for node in g.nodes:
+            if node.op_type in self.VIEW_OPS:
+                continue
+            out = node.outputs[0]
+            if len(node.outputs) != 1:
+                raise MaceqError(f"node '{node.name}' ({node.op_type}): {len(node.outputs)} outputs are not supported")
+            is_out = out in outputs
+            out_name = OUTPUT_PREFIX + out if is_out else out
+            op_name = OUTPUT_PREFIX + node.name if is_out else node.name
+            self.EMITTERS[node.op_type](self, node, out_name, op_name)
+            if is_out:
+                self.rename[out] = out_name
+        # outputs: a Dequantize op each
+        for out in g.outputs:
+            src = self.rename.get(out)
+            if src is None:
+                raise MaceqError(f"graph output '{out}' is not produced by a quantized op")
+            prod = next(op for op in self.net.op if src in op.output)
+            op = self.net.op.add()
+            op.input.append(src)
+            op.output.append(out)
+            op.name = out
+            op.type = "Dequantize"
+            _arg(op, "T", DT_UINT8)
+            shape = list(prod.output_shape[0].dims)
+            _arg(op, "data_format", DF_NHWC if len(self.shapes[out]) == 4 else DF_NONE)
+            op.output_shape.add().dims.extend(shape)
+            op.output_type.append(DT_FLOAT)
+            self.op_sources[out] = out
+        # MACE's converter keeps the source model's initializer order for the weights.
+        order = {name: k for k, name in enumerate(self.g.initializers)}
+        tensors = sorted(self.net.tensors, key=lambda t: order.get(t.name, len(order)))
+        copies = [type(t)() for t in tensors]
+        for c, t in zip(copies, tensors):
+            c.CopyFrom(t)
+        del self.net.tensors[:]
+        self.net.tensors.extend(copies)
+        for name, value in NET_ARGS:
+            _arg(self.net, name, value)
+        self.net.data_type = DT_FLOAT
+        self.net.name = "default_graph"
+        self.net.infer_order = 0
+        for vi in g.inputs:
+            info = self.net.input_info.add()
+            info.name = vi.name
+            info.dims.extend(_nhwc(self.shapes[vi.name]))
+            info.data_type = DT_FLOAT
+            info.data_format = DF_NHWC
+            p = self.qinfo[INPUT_PREFIX + vi.name]
+            info.scale, info.zero_point = p.scale, p.zero_point
+            info.alias = vi.name
+        for out in g.outputs:
+            info = self.net.output_info.add()
+            info.name = out
+            info.dims.extend(_nhwc(self.shapes[out]))
+            info.data_type = DT_FLOAT
+            info.data_format = DF_NHWC if len(self.shapes[out]) == 4 else DF_NONE
+            p = self.qinfo[self.rename[out]]
+            info.scale, info.zero_point = p.scale, p.zero_point
+            info.alias = out
+        multi = mace_pb2.MultiNetDef()
+        multi.net_def.append(self.net)
+        multi.input_tensor.extend(vi.name for vi in g.inputs)
+        multi.output_tensor.extend(g.outputs)
+        return BuiltModel(multi, self.arrays, dict(self.used_ranges), self.op_sources)
+
+
+def build_mace_model(graph: Graph, ranges: dict[str, tuple[float, float]], shapes: dict[str, tuple[int, ...]],
+                     *, model_name: str, input_formats: dict[str, str] | None = None) -> BuiltModel:
+    return MaceBuilder(graph, ranges, dict(shapes), model_name=model_name).build(input_formats=input_formats or {})

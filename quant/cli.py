@@ -1,0 +1,299 @@
+"""Command-line entry points: ``quantize`` and ``maceq run|eval|inspect``.
+
+Bad input prints one line, ``error: ...``, and exits with status 2; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import warnings
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from maceq.errors import MaceqError
+
+DEFAULT_MODEL_NAME = "fmnist_mobilenet"
+
+
+def default_assets() -> Path:
+    """Folder of the embedded default model and its sample images."""
+    return Path(str(resources.files("maceq.datasets") / "default"))
+
+
+def _csv_numbers(text: str, kind=float, *, what: str):
+    try:
+        return [kind(v) for v in str(text).split(",") if v.strip() != ""]
+    except ValueError:
+        raise MaceqError(f"{what}: expected comma-separated numbers, got '{text}'") from None
+
+
+def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("preprocessing (defaults: what the model was calibrated with, or the preset)")
+    g.add_argument("--preset", help="preprocessing preset: imagenet, tf, fmnist")
+    g.add_argument("--preprocess", metavar="YAML", help="YAML file with preprocessing keys")
+    g.add_argument("--resize-short", type=int, help="resize the short side to N pixels (bilinear)")
+    g.add_argument("--resize", help="resize to H,W")
+    g.add_argument("--crop", help="center crop H,W")
+    g.add_argument("--mean", help="per-channel mean, e.g. 0.485,0.456,0.406")
+    g.add_argument("--std", help="per-channel std")
+    g.add_argument("--scale", type=float, help="multiply raw 0..255 values by this first (default 1/255)")
+    g.add_argument("--offset", type=float, help="add this last")
+    g.add_argument("--color", choices=["rgb", "bgr", "gray"], help="channel order")
+    g.add_argument("--layout", choices=["nchw", "nhwc"], help="tensor layout")
+
+
+def _preprocess_from(args, recorded: dict | None):
+    import yaml
+
+    from maceq.datasets.preprocess import Preprocess, preprocess_from_args
+
+    if args.preset:
+        base = preprocess_from_args(args.preset)
+    elif recorded:
+        base = Preprocess.from_dict(recorded)
+    else:
+        base = None
+    if args.preprocess:
+        try:
+            with open(args.preprocess, encoding="utf-8") as f:
+                d = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise MaceqError(f"{args.preprocess}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise MaceqError(f"{args.preprocess}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(d, dict):
+            raise MaceqError(f"{args.preprocess}: must be a mapping of preprocessing keys")
+        preset = d.pop("preset", None)
+        if preset is not None and base is None:
+            base = preprocess_from_args(preset)
+        base = (base or Preprocess()).with_overrides(**d)
+    over = {"resize_short": args.resize_short, "resize": args.resize, "center_crop": args.crop,
+            "mean": args.mean, "std": args.std, "scale": args.scale, "offset": args.offset,
+            "color": args.color, "layout": args.layout}
+    over = {k: v for k, v in over.items() if v is not None}
+    return (base or Preprocess()).with_overrides(**over) if over else (base or Preprocess())
+
+
+def _run_cli(fn, argv):
+    try:
+        return fn(argv)
+    except MaceqError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+# -- quantize ------------------------------------------------------------------------
+def _quantize(argv) -> int:
+    from maceq.calibrate.methods import RangeMethod
+    from maceq.datasets.images import ImageFolder
+    from maceq.quant.config import QuantConfig, load_config
+    from maceq.quant.pipeline import quantize
+    from maceq.reports.evaluate import evaluate
+    from maceq.runtime.model import load
+
+    p = argparse.ArgumentParser(prog="quantize", description="Quantize an ONNX model to a uint8 MACE model and "
+                                "simulate it bit-exactly. With no model, quantizes the embedded Fashion-MNIST demo.")
+    p.add_argument("model", nargs="?", help="float ONNX model (default: the embedded demo model)")
+    p.add_argument("--calib-dir", help="folder of calibration images (searched recursively)")
+    p.add_argument("-o", "--output", help="output folder (default: ./maceq_out/<model name>)")
+    p.add_argument("--config", help="YAML quantization config (range methods, per-layer overrides, ...)")
+    p.add_argument("--range-method", choices=[m.value for m in RangeMethod], help="activation range method")
+    p.add_argument("--percentile", type=float, help="percentile for --range-method percentile (default 99.99)")
+    p.add_argument("--batch-size", type=int, help="calibration batch size (default 8)")
+    p.add_argument("--max-images", type=int, help="use at most N calibration images")
+    p.add_argument("--input-shape", help="fix the input shape, e.g. 1,3,224,224")
+    p.add_argument("--eval-dir", help="after quantizing, evaluate float vs int8 on this image folder")
+    p.add_argument("--labels", help="labels CSV (file,label) for --eval-dir")
+    p.add_argument("--name", help="model name for the output files (default: the ONNX file's stem)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    _add_preprocess_args(p)
+    args = p.parse_args(argv)
+
+    demo = args.model is None
+    extra_meta = {}
+    if demo:
+        assets = default_assets()
+        args.model = str(assets / f"{DEFAULT_MODEL_NAME}.onnx")
+        args.calib_dir = args.calib_dir or str(assets / "calib")
+        args.eval_dir = args.eval_dir or str(assets / "test")
+        if not args.preset and not args.preprocess:
+            args.preset = "fmnist"
+        extra_meta["classes"] = list(FMNIST_CLASSES)
+    if not args.calib_dir:
+        raise MaceqError("--calib-dir is required when a model is given")
+    config = load_config(args.config) if args.config else QuantConfig()
+    config = config.with_cli(range_method=RangeMethod(args.range_method) if args.range_method else None,
+                             percentile=args.percentile, batch_size=args.batch_size, max_images=args.max_images)
+    pre = _preprocess_from(args, config.preprocess)
+    input_shape = _csv_numbers(args.input_shape, int, what="--input-shape") if args.input_shape else None
+    name = args.name or Path(args.model).stem
+    out = Path(args.output) if args.output else Path("maceq_out") / name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if args.quiet else "default")
+        res = quantize(args.model, args.calib_dir, output_dir=out, preprocess=pre, config=config,
+                       input_shape=input_shape, model_name=name, progress=not args.quiet, extra_meta=extra_meta)
+    f = res.files
+    print(f"quantized {args.model} for the cpu device on {res.n_calib_images} calibration images"
+          + (f" ({res.n_skipped} unreadable, skipped)" if res.n_skipped else ""))
+    for label, path in (("graph", f.pb), ("weights", f.data), ("deployment", f.yml), ("ranges", f.ranges)):
+        print(f"  {label:<10} {path}")
+    if args.eval_dir:
+        model = load(f.yml)
+        classes = extra_meta.get("classes")
+        labels = args.labels or "auto"
+        data = ImageFolder(args.eval_dir, pre, labels=labels, classes=classes)
+        result = evaluate(model, args.model, data, device="cpu", progress=not args.quiet)
+        print(f"evaluation on {args.eval_dir}:")
+        for line in result.lines():
+            print(line)
+    return 0
+
+
+FMNIST_CLASSES = ("T-shirt_top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                  "Ankle_boot")
+
+
+def quantize_main(argv=None) -> int:
+    return _run_cli(_quantize, argv)
+
+
+# -- maceq run / eval / inspect ------------------------------------------------------------
+def _load_input(path: str, model, pre):
+    from maceq.datasets.images import load_image
+
+    if path.lower().endswith(".npy"):
+        try:
+            x = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise MaceqError(f"{path}: not a readable .npy file ({e})") from None
+        want = model.input_shape(model.input_names[0])
+        if x.ndim == len(want) - 1:
+            x = x[None]
+        return x.astype(np.float32)
+    return load_image(path, pre)[None]
+
+
+def _atomic_save(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _cmd_run(args) -> int:
+    from maceq.runtime.model import load
+
+    model = load(args.qmodel)
+    pre = _preprocess_from(args, model.maceq_meta.get("preprocess"))
+    x = _load_input(args.input, model, pre)
+    outs = model.run({model.input_names[0]: x}, device=args.device)
+    out_path = Path(args.output) if args.output else None
+    if out_path is not None:
+        if len(outs) == 1:
+            arr = next(iter(outs.values()))
+            _atomic_save(out_path, lambda t: np.save(open(t, "wb"), arr))
+        else:
+            _atomic_save(out_path, lambda t: np.savez(open(t, "wb"), **outs))
+        print(f"wrote {out_path}")
+    classes = model.maceq_meta.get("classes")
+    for name, y in outs.items():
+        flat = y.reshape(y.shape[0], -1)
+        if y.ndim == 2 and flat.shape[1] > 1:
+            order = np.argsort(-flat[0], kind="stable")[:5]
+            print(f"{name}: top-5 classes")
+            for k in order:
+                label = f" ({classes[k]})" if classes and k < len(classes) else ""
+                print(f"  {int(k):>5}{label}  {float(flat[0, k]):.4f}")
+        else:
+            print(f"{name}: shape {tuple(y.shape)}, min {float(y.min()):.4f}, max {float(y.max()):.4f}")
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from maceq.datasets.images import ImageFolder
+    from maceq.reports.evaluate import evaluate
+    from maceq.runtime.model import load
+
+    model = load(args.qmodel)
+    meta = model.maceq_meta
+    pre = _preprocess_from(args, meta.get("preprocess"))
+    float_model = args.float_model or meta.get("source_model")
+    if not float_model:
+        raise MaceqError(f"{args.qmodel}: no source model recorded; pass --float-model")
+    data = ImageFolder(args.images, pre, labels=args.labels or "auto", classes=meta.get("classes"))
+    result = evaluate(model, float_model, data, device=args.device, progress=not args.quiet)
+    for line in result.lines():
+        print(line)
+    if args.json:
+        text = json.dumps(result.to_dict(), indent=2, sort_keys=True)
+        _atomic_save(Path(args.json), lambda t: Path(t).write_text(text + "\n"))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from maceq.runtime.model import load
+
+    model = load(args.qmodel)
+    net = model.net_def
+    sizes = {t.name: int(model.consts[t.name].nbytes) for t in net.tensors}
+    print(f"model {args.qmodel}: {len(net.op)} ops, {len(net.tensors)} constant tensors, "
+          f"{sum(sizes.values())} bytes of weights")
+    print(f"inputs:  " + ", ".join(f"{i.name} {list(i.dims)} scale={i.scale:.6g} zp={i.zero_point}"
+                                   for i in net.input_info))
+    print(f"outputs: " + ", ".join(f"{o.name} {list(o.dims)} scale={o.scale:.6g} zp={o.zero_point}"
+                                   for o in net.output_info))
+    print(f"{'#':>3}  {'op type':<16} {'name':<44} {'output shape':<18} {'scale':>11} {'zp':>4}  weights")
+    for k, op in enumerate(model.ops):
+        q = op.out_qinfo[0] if op.out_qinfo else None
+        w = [f"{i}({sizes[i]}B, s={model.const_qinfo[i].scale:.3g}, zp={model.const_qinfo[i].zero_point})"
+             for i in op.inputs if i in sizes]
+        shape = "x".join(map(str, op.output_shapes[0])) if op.output_shapes else "?"
+        print(f"{k:>3}  {op.type:<16} {op.name[:44]:<44} {shape:<18} "
+              f"{(f'{q.scale:.5g}' if q else '-'):>11} {(q.zero_point if q else '-'):>4}  {' '.join(w)}")
+    return 0
+
+
+def _maceq(argv) -> int:
+    p = argparse.ArgumentParser(prog="maceq", description="Run, evaluate and inspect quantized MACE models.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run one input through the int8 model")
+    r.add_argument("qmodel", help="the model's deployment .yml or .pb")
+    r.add_argument("--input", required=True, help="an image or a .npy array")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("-o", "--output", help="write the dequantized outputs to this .npy (.npz for several)")
+    _add_preprocess_args(r)
+    e = sub.add_parser("eval", help="float vs int8 agreement and accuracy on an image folder")
+    e.add_argument("qmodel")
+    e.add_argument("--images", required=True, help="image folder (class subfolders give labels)")
+    e.add_argument("--labels", help="labels CSV (file,label)")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--float-model", help="float ONNX model (default: the one recorded at quantization)")
+    e.add_argument("--json", help="also write the metrics to this JSON file")
+    e.add_argument("-q", "--quiet", action="store_true")
+    _add_preprocess_args(e)
+    i = sub.add_parser("inspect", help="print the quantized graph: ops, tensors, scales, sizes")
+    i.add_argument("qmodel")
+    args = p.parse_args(argv)
+    return {"run": _cmd_run, "eval": _cmd_eval, "inspect": _cmd_inspect}[args.cmd](args)
+
+
+def maceq_main(argv=None) -> int:
+    return _run_cli(_maceq, argv)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(maceq_main())

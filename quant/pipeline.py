@@ -1,0 +1,121 @@
+"""The `quantize` job: ONNX + image folder -> MACE uint8 model files.
+
+    load + import -> optimise -> calibrate (onnxruntime on the optimised graph)
+    -> ranges -> cpu quantization parameters -> MACE NetDef -> .pb/.data/.yml/ranges
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from maceq.calibrate.methods import compute_range
+from maceq.calibrate.runner import collect
+from maceq.datasets.images import ImageFolder
+from maceq.datasets.preprocess import Preprocess
+from maceq.errors import MaceqError
+from maceq.quant.build import build_mace_model
+from maceq.quant.config import QuantConfig
+from maceq.quant.ir import Graph
+from maceq.quant.mace.format import write_model
+from maceq.quant.onnx_import import fix_input_shapes, import_onnx, load_onnx
+from maceq.quant.passes import optimize
+
+VIEW_OPS = ("Flatten", "Reshape", "Squeeze")
+
+
+@dataclass
+class QuantizeResult:
+    files: object  # maceq.quant.mace.format.ModelFiles
+    graph: Graph
+    n_calib_images: int
+    n_skipped: int
+    model_name: str
+
+
+def tensors_to_calibrate(graph: Graph) -> list[str]:
+    """Every tensor that gets a scale: the inputs and each non-view node's output."""
+    names = [vi.name for vi in graph.inputs]
+    for n in graph.nodes:
+        if n.op_type not in VIEW_OPS:
+            names.extend(n.outputs)
+    return names
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def prepare_graph(onnx_path: str | os.PathLike, *, input_shape: list[int] | None):
+    model = load_onnx(onnx_path)
+    graph = import_onnx(model, source=os.fspath(onnx_path))
+    in_shapes = fix_input_shapes(graph, input_shape)
+    opt = optimize(graph, in_shapes)
+    shapes = opt.infer_shapes(in_shapes)
+    return opt, in_shapes, shapes
+
+
+def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, output_dir: str | os.PathLike,
+             preprocess: Preprocess, config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None,
+             model_name: str | None = None, progress: bool = True, extra_meta: dict | None = None) -> QuantizeResult:
+    """Quantize ``onnx_path`` for the cpu device, calibrating on the images in ``calib_dir``."""
+    onnx_path = Path(onnx_path)
+    name = model_name or onnx_path.stem
+    opt, in_shapes, shapes = prepare_graph(onnx_path, input_shape=input_shape)
+    if len(opt.inputs) != 1:
+        raise MaceqError(f"{onnx_path}: {len(opt.inputs)} inputs; image calibration supports one-input models")
+    in_name = opt.inputs[0].name
+    want = in_shapes[in_name]
+    data = ImageFolder(calib_dir, preprocess, labels=None, limit=config.max_images)
+    got = preprocess.output_shape()
+    if got is not None and len(want) == 4 and tuple(got) != tuple(want[1:]):
+        raise MaceqError(f"preprocessing gives inputs of shape {tuple(got)}, model input '{in_name}' needs "
+                         f"{tuple(want[1:])}: adjust --preset/--resize/--crop or --input-shape")
+    names = tensors_to_calibrate(opt)
+    stats = collect(opt.to_onnx(), names, data.iter_batches(config.batch_size), input_name=in_name,
+                    total=len(data), progress=progress)
+    ranges = {}
+    for t in names:
+        method, pct = config.method_for(t)
+        ranges[t] = compute_range(stats[t], method, percentile=pct)
+    built = build_mace_model(opt, ranges, shapes, model_name=name)
+    n_images = len(data) - data.skipped
+    meta = {
+        "source_model": str(onnx_path.resolve()),
+        "source_sha256": _sha256(onnx_path),
+        "device": "cpu",
+        "preprocess": preprocess.to_dict(),
+        "range_method": config.range_method.value,
+        "percentile": config.percentile,
+        "layer_overrides": {ov.pattern: {k: (v.value if hasattr(v, "value") else v)
+                                         for k, v in (("range_method", ov.range_method),
+                                                      ("percentile", ov.percentile)) if v is not None}
+                            for ov in config.layers},
+        "calibration_images": n_images,
+        "input_shape": list(want),
+    }
+    meta.update(extra_meta or {})
+    out_shape = {o: list(shapes[o]) for o in opt.outputs}
+    lo, hi = built.ranges[in_name]
+    subgraph = {
+        "input_tensors": [in_name], "input_shapes": [",".join(map(str, want))],
+        "input_data_formats": ["NCHW" if len(want) == 4 else "NONE"],
+        "input_ranges": [f"{lo!r},{hi!r}"],
+        "output_tensors": list(opt.outputs),
+        "output_shapes": [",".join(map(str, out_shape[o])) for o in opt.outputs],
+        "output_data_formats": ["NCHW" if len(out_shape[o]) == 4 else "NONE" for o in opt.outputs],
+    }
+    out_dir = Path(output_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MaceqError(f"{out_dir}: cannot create the output folder ({e.strerror})") from None
+    files = write_model(out_dir, name, built.multi_net_def, built.arrays,
+                        deployment={"platform": "onnx", "runtime": "cpu", "subgraphs": [subgraph]},
+                        ranges=built.ranges, maceq=meta)
+    return QuantizeResult(files, opt, n_images, data.skipped, name)

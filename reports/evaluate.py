@@ -1,0 +1,81 @@
+"""Float vs int8 evaluation of a quantized model on an image folder.
+
+The float reference is the source ONNX model in onnxruntime; the int8 side is
+the fixed-point runtime. Images run one at a time through the runtime, because
+the device's input Quantize op recomputes its range from each input tensor
+(``find_range_every_time``), so a batch would change the arithmetic.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import onnxruntime as ort
+from tqdm import tqdm
+
+from maceq.datasets.images import ImageFolder
+from maceq.errors import MaceqError
+from maceq.runtime.model import Model
+
+
+@dataclass
+class EvalResult:
+    device: str
+    images: int
+    skipped: int
+    top1_agreement: float
+    float_top1_in_int8_top5: float
+    float_accuracy: float | None = None
+    int8_accuracy: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        out = [f"device {self.device}: {self.images} images ({self.skipped} skipped)",
+               f"  top-1 agreement float vs int8:  {100 * self.top1_agreement:6.2f}%",
+               f"  float top-1 in int8 top-5:      {100 * self.float_top1_in_int8_top5:6.2f}%"]
+        if self.float_accuracy is not None:
+            out += [f"  float accuracy:                 {100 * self.float_accuracy:6.2f}%",
+                    f"  int8 accuracy:                  {100 * self.int8_accuracy:6.2f}%",
+                    f"  accuracy drop:                  {100 * (self.float_accuracy - self.int8_accuracy):6.2f} points"]
+        return out
+
+
+def float_session(path: str | os.PathLike) -> ort.InferenceSession:
+    if not os.path.isfile(path):
+        raise MaceqError(f"{path}: float model not found (pass --float-model)")
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(os.fspath(path), so, providers=["CPUExecutionProvider"])
+
+
+def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *, device: str = "cpu",
+             batch_size: int = 16, progress: bool = True) -> EvalResult:
+    sess = float_session(float_model)
+    in_name = model.input_names[0]
+    out_name = model.output_names[0]
+    f_in = sess.get_inputs()[0].name
+    f_out = [o.name for o in sess.get_outputs()].index(out_name) if out_name in [o.name for o in sess.get_outputs()] else 0
+    n = agree = top5 = f_correct = q_correct = 0
+    have_labels = data.labels is not None
+    bar = tqdm(total=len(data), desc=f"eval {device}", unit="img", disable=not progress, leave=False)
+    for batch in data.iter_batches(batch_size):
+        f_logits = sess.run(None, {f_in: batch.data})[f_out].reshape(len(batch.data), -1)
+        for k in range(len(batch.data)):
+            q_logits = model.run({in_name: batch.data[k:k + 1]}, device=device)[out_name].reshape(-1)
+            f_top = int(np.argmax(f_logits[k]))
+            q_order = np.argsort(-q_logits, kind="stable")
+            agree += int(q_order[0] == f_top)
+            top5 += int(f_top in q_order[:5])
+            if have_labels:
+                f_correct += int(f_top == batch.labels[k])
+                q_correct += int(q_order[0] == batch.labels[k])
+            n += 1
+        bar.update(len(batch.data))
+    bar.close()
+    if n == 0:
+        raise MaceqError(f"{data.root}: no readable image to evaluate")
+    return EvalResult(device, n, data.skipped, agree / n, top5 / n,
+                      f_correct / n if have_labels else None, q_correct / n if have_labels else None)
