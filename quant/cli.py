@@ -25,6 +25,17 @@ def default_assets() -> Path:
     return Path(str(resources.files("maceq.datasets") / "default"))
 
 
+def default_output_root() -> Path:
+    """Where outputs go without -o: $MACEQ_HOME, else $XDG_CACHE_HOME/maceq, else ~/.cache/maceq.
+
+    Nothing is written to the working directory unless the user asks with -o.
+    """
+    if os.environ.get("MACEQ_HOME"):
+        return Path(os.environ["MACEQ_HOME"])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "maceq"
+
+
 def _csv_numbers(text: str, kind=float, *, what: str):
     try:
         return [kind(v) for v in str(text).split(",") if v.strip() != ""]
@@ -103,7 +114,7 @@ def _quantize(argv) -> int:
                                 "simulate it bit-exactly. With no model, quantizes the embedded Fashion-MNIST demo.")
     p.add_argument("model", nargs="?", help="float ONNX model (default: the embedded demo model)")
     p.add_argument("--calib-dir", help="folder of calibration images (searched recursively)")
-    p.add_argument("-o", "--output", help="output folder (default: ./maceq_out/<model name>)")
+    p.add_argument("-o", "--output", help="output folder (default: ~/.cache/maceq/<model name>)")
     p.add_argument("--config", help="YAML quantization config (range methods, per-layer overrides, ...)")
     p.add_argument("--range-method", choices=[m.value for m in RangeMethod], help="activation range method")
     p.add_argument("--percentile", type=float, help="percentile for --range-method percentile (default 99.99)")
@@ -135,7 +146,7 @@ def _quantize(argv) -> int:
     pre = _preprocess_from(args, config.preprocess)
     input_shape = _csv_numbers(args.input_shape, int, what="--input-shape") if args.input_shape else None
     name = args.name or Path(args.model).stem
-    out = Path(args.output) if args.output else Path("maceq_out") / name
+    out = Path(args.output) if args.output else default_output_root() / name
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if args.quiet else "default")
         res = quantize(args.model, args.calib_dir, output_dir=out, preprocess=pre, config=config,
@@ -178,7 +189,7 @@ def _load_input(path: str, model, pre):
         if x.ndim == len(want) - 1:
             x = x[None]
         return x.astype(np.float32)
-    return load_image(path, pre)[None]
+    return load_image(path, pre)
 
 
 def _atomic_save(path: Path, write) -> None:

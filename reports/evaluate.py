@@ -8,6 +8,7 @@ the device's input Quantize op recomputes its range from each input tensor
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -60,7 +61,8 @@ def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *,
     f_out = [o.name for o in sess.get_outputs()].index(out_name) if out_name in [o.name for o in sess.get_outputs()] else 0
     n = agree = top5 = f_correct = q_correct = 0
     have_labels = data.labels is not None
-    bar = tqdm(total=len(data), desc=f"eval {device}", unit="img", disable=not progress, leave=False)
+    bar = tqdm(total=len(data), desc=f"eval {device}", unit="img", disable=not progress or not sys.stderr.isatty(),
+                leave=False)
     for batch in data.iter_batches(batch_size):
         f_logits = sess.run(None, {f_in: batch.data})[f_out].reshape(len(batch.data), -1)
         for k in range(len(batch.data)):

@@ -386,6 +386,7 @@ def _atomic_write(path: Path, payload: bytes) -> None:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
         os.replace(tmp, path)
     except OSError as e:
         try:
@@ -393,6 +394,12 @@ def _atomic_write(path: Path, payload: bytes) -> None:
         except OSError:
             pass
         raise MaceqError(f"{path}: cannot write: {e.strerror or e}") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def sha256_hex(payload: bytes) -> str:

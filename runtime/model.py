@@ -1,0 +1,160 @@
+"""Load a MACE model and run it in the fixed-point simulation of a device.
+
+The evaluator is a short loop over topologically sorted ops. Each op's kernel
+is prepared once per (op, input quantization) into a frozen dataclass of
+integers, then run on numpy arrays. With ``intermediates=True`` every tensor's
+raw integer values come back with its scale and zero point.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from maceq.errors import MaceqError
+from maceq.runtime import ops as _ops  # noqa: F401  (registers the kernels)
+from maceq.runtime.graph import RtOp, parse_ops
+from maceq.runtime.profiles import DeviceProfile, get_profile
+from maceq.runtime.qtypes import QInfo
+from maceq.runtime.registry import lookup
+
+
+@dataclass
+class QTensor:
+    """A tensor as the device holds it: raw integer codes (NHWC for 4-D) and their quantization."""
+
+    values: np.ndarray
+    qinfo: QInfo | None  # None for float tensors
+
+    def dequantize(self) -> np.ndarray:
+        if self.qinfo is None:
+            return self.values.astype(np.float32)
+        return (np.float32(self.qinfo.scale) * (self.values.astype(np.int32) - self.qinfo.zero_point)).astype(np.float32)
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, np.ndarray]
+    tensors: dict[str, QTensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrepareContext:
+    profile: DeviceProfile
+    consts: dict
+    const_qinfo: dict
+
+
+class Model:
+    """A loaded MACE model: ``model.run({name: array}, device="cpu")``."""
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.net_def = loaded.net_def
+        self.consts: dict[str, np.ndarray] = loaded.arrays
+        self.const_qinfo = {t.name: QInfo(float(t.scale), int(t.zero_point), float(t.minval), float(t.maxval))
+                            for t in self.net_def.tensors}
+        self.ops: list[RtOp] = parse_ops(self.net_def)
+        self.input_names = [i.name for i in self.net_def.input_info]
+        self.output_names = [o.name for o in self.net_def.output_info]
+        self.input_info = {i.name: i for i in self.net_def.input_info}
+        self.output_info = {o.name: o for o in self.net_def.output_info}
+        self.deployment = loaded.deployment or {}
+        self.input_formats = self._input_formats()
+        self._prepared: dict = {}
+        self._kernels: dict = {}
+
+    def _input_formats(self) -> dict[str, str]:
+        formats = {n: "NCHW" if len(self.input_info[n].dims) == 4 else "NONE" for n in self.input_names}
+        for model in (self.deployment.get("models") or {}).values():
+            for sub in model.get("subgraphs") or []:
+                for name, fmt in zip(sub.get("input_tensors") or [], sub.get("input_data_formats") or []):
+                    if name in formats:
+                        formats[name] = str(fmt).upper()
+        return formats
+
+    @property
+    def maceq_meta(self) -> dict:
+        return self.deployment.get("maceq") or {}
+
+    def input_shape(self, name: str) -> tuple[int, ...]:
+        """The input's shape in the layout the caller feeds (NCHW for 4-D inputs by default)."""
+        dims = tuple(int(d) for d in self.input_info[name].dims)
+        if len(dims) == 4 and self.input_formats[name] == "NCHW":
+            return (dims[0], dims[3], dims[1], dims[2])
+        return dims
+
+    def _kernel(self, op: RtOp, profile: DeviceProfile):
+        key = (profile.device, op.type)
+        k = self._kernels.get(key)
+        if k is None:
+            k = self._kernels[key] = lookup(op.type, profile.device, op_name=op.name)()
+        return k
+
+    def _prepare(self, idx: int, op: RtOp, kernel, in_q: tuple, profile: DeviceProfile):
+        key = (profile.device, idx, in_q)
+        params = self._prepared.get(key)
+        if params is None:
+            ctx = PrepareContext(profile, self.consts, self.const_qinfo)
+            params = kernel.prepare(op, in_q, ctx)
+            if len(self._prepared) > 4096:
+                self._prepared.clear()
+            self._prepared[key] = params
+        return params
+
+    def run(self, inputs: dict[str, np.ndarray], *, device: str = "cpu", intermediates: bool = False):
+        """Run the model on float inputs; returns {output: float32 array}, or a RunResult with intermediates."""
+        profile = get_profile(device)
+        values: dict[str, QTensor] = {}
+        for name in self.input_names:
+            if name not in inputs:
+                raise MaceqError(f"missing input '{name}' (model inputs: {', '.join(self.input_names)})")
+            x = np.asarray(inputs[name], dtype=np.float32)
+            want = self.input_shape(name)
+            if x.ndim != len(want) or tuple(x.shape[1:]) != tuple(want[1:]):
+                raise MaceqError(f"input '{name}' has shape {tuple(x.shape)}, the model expects "
+                                 f"{('N',) + tuple(want[1:])}")
+            if x.ndim == 4 and self.input_formats[name] == "NCHW":
+                x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+            values[name] = QTensor(x, None)
+        for name in inputs:
+            if name not in self.input_info:
+                raise MaceqError(f"unknown input '{name}' (model inputs: {', '.join(self.input_names)})")
+        for idx, op in enumerate(self.ops):
+            kernel = self._kernel(op, profile)
+            ins = []
+            for i in op.inputs:
+                if i in values:
+                    ins.append(values[i])
+                elif i in self.consts:
+                    ins.append(QTensor(self.consts[i], self.const_qinfo.get(i)))
+                else:
+                    raise MaceqError(f"op '{op.name}': input '{i}' is not available")
+            in_q = tuple(t.qinfo for t in ins)
+            params = self._prepare(idx, op, kernel, in_q, profile)
+            outs = kernel.run(params, ins)
+            for name, t in zip(op.outputs, outs):
+                values[name] = t
+        outputs = {}
+        for name in self.output_names:
+            t = values[name]
+            y = t.values if t.qinfo is None else t.dequantize()
+            info = self.output_info[name]
+            rank = len(info.dims)
+            if rank == 4:
+                if y.ndim == 4 and info.data_format == 1:
+                    y = y.transpose(0, 3, 1, 2)  # device NHWC -> caller NCHW
+            else:
+                y = y.reshape((y.shape[0],) + tuple(int(d) for d in info.dims[1:]))
+            outputs[name] = np.ascontiguousarray(y, dtype=np.float32)
+        if intermediates:
+            return RunResult(outputs, values)
+        return outputs
+
+
+def load(path: str | os.PathLike) -> Model:
+    """Load a MACE model from its deployment .yml or its .pb (the .data beside it)."""
+    from maceq.quant.mace.format import read_model
+
+    return Model(read_model(path))

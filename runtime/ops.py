@@ -1,0 +1,345 @@
+"""One small kernel class per MACE op, registered by (op_type, device).
+
+``prepare(op, in_q, ctx)`` turns the op's arguments and its inputs' quantization
+into a frozen dataclass of integers (computed once per model and input
+quantization); ``run(params, inputs)`` applies the integer kernel from
+``maceq.runtime.kernels``. Each rule a kernel follows comes from
+``ctx.profile`` (see docs/semantics.md), never from the device's name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from maceq.errors import MaceqError
+from maceq.runtime import fixedpoint as fp
+from maceq.runtime.graph import RtOp
+from maceq.runtime.kernels import concat as k_concat
+from maceq.runtime.kernels import conv as k_conv
+from maceq.runtime.kernels import eltwise as k_eltwise
+from maceq.runtime.kernels import pooling as k_pool
+from maceq.runtime.kernels import quantize as k_quant
+from maceq.runtime.kernels import reduce as k_reduce
+from maceq.runtime.kernels import softmax as k_softmax
+from maceq.runtime.profiles import InputQuantize, MultiplierRule, Requant
+from maceq.runtime.qtypes import QInfo
+from maceq.runtime.registry import register
+
+
+def _f32_bits(x) -> int:
+    """A float32 value carried as its int32 bit pattern (params hold integers only)."""
+    return int(np.float32(x).view(np.int32))
+
+
+def _bits_f32(b: int) -> np.float32:
+    return np.int32(b).view(np.float32)
+
+
+def _out_tensor(values, q: QInfo):
+    from maceq.runtime.model import QTensor
+
+    return QTensor(values, q)
+
+
+def _pads(op: RtOp) -> tuple[int, int, int, int]:
+    """MACE padding_values are totals per spatial dim; top/left get total >> 1."""
+    ph, pw = op.arg("padding_values", [0, 0])
+    return ph >> 1, pw >> 1, ph - (ph >> 1), pw - (pw >> 1)
+
+
+def _require_q(op: RtOp, q, what: str) -> QInfo:
+    if q is None:
+        raise MaceqError(f"op '{op.name}' ({op.type}): {what} has no quantization info")
+    return q
+
+
+def _multiplier(profile, s_in, s_w, s_out) -> tuple[int, int]:
+    if profile.multiplier_rule is MultiplierRule.FLOAT32:
+        return fp.mace_output_multiplier(s_in, s_w, s_out)
+    return fp.quantize_multiplier(float(np.float64(np.float32(s_in)) * np.float64(np.float32(s_w))
+                                        / np.float64(np.float32(s_out))))
+
+
+@dataclass(frozen=True)
+class ConvParams:
+    x_zp: int
+    w_zp: int
+    out_zp: int
+    multiplier: int
+    shift: int
+    multiplier_f32_bits: int
+    requant: str
+    strides: tuple[int, int]
+    pads: tuple[int, int, int, int]
+    dilations: tuple[int, int]
+    group: int
+    act_min: int
+    act_max: int
+    weights: str
+    bias: tuple[int, ...] | None
+    out_scale_bits: int
+
+    @property
+    def out_q(self) -> QInfo:
+        return QInfo(float(_bits_f32(self.out_scale_bits)), self.out_zp)
+
+
+class _ConvBase:
+    requant_field = "conv_requant"
+
+    def prepare(self, op: RtOp, in_q, ctx) -> ConvParams:
+        prof = ctx.profile
+        xq = _require_q(op, in_q[0], "input")
+        wq = _require_q(op, in_q[1], "filter")
+        out_q = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
+        bias = None
+        if len(op.inputs) > 2:
+            bq = in_q[2]
+            b = ctx.consts[op.inputs[2]]
+            if bq is not None and prof.bias_rescale_threshold is not None:
+                b = fp.mace_rescale_bias(b, xq.scale, wq.scale, bq.scale)
+            bias = tuple(int(v) for v in np.asarray(b).ravel())
+        requant: Requant = getattr(prof, self.requant_field)
+        if requant is Requant.GEMMLOWP:
+            mult, shift = _multiplier(prof, xq.scale, wq.scale, out_q.scale)
+            mbits = 0
+        else:
+            mult, shift = 0, 0
+            mbits = _f32_bits(fp.mace_float_multiplier(xq.scale, wq.scale, out_q.scale))
+        act_min, act_max = 0, 255
+        if prof.honours_activation_args:
+            raise MaceqError(f"op '{op.name}': activation args are not implemented for this profile")
+        return ConvParams(xq.zero_point, wq.zero_point, out_q.zero_point, mult, shift, mbits, requant.value,
+                          tuple(op.arg("strides", [1, 1])), _pads(op), tuple(op.arg("dilations", [1, 1])),
+                          int(op.arg("group", 1)), act_min, act_max, op.inputs[1], bias,
+                          _f32_bits(out_q.scale))
+
+    @staticmethod
+    def _bias(p: ConvParams):
+        return None if p.bias is None else np.asarray(p.bias, dtype=np.int32)
+
+
+@register("Conv2D")
+class Conv2D(_ConvBase):
+    def run(self, p: ConvParams, inputs):
+        x, w = inputs[0].values, inputs[1].values
+        y = k_conv.conv2d(x, w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp, multiplier=p.multiplier,
+                          shift=p.shift, strides=p.strides, pads=p.pads, dilations=p.dilations, group=p.group,
+                          act_min=p.act_min, act_max=p.act_max)
+        return [_out_tensor(y, p.out_q)]
+
+
+@register("DepthwiseConv2d")
+class DepthwiseConv2d(_ConvBase):
+    requant_field = "depthwise_requant"
+
+    def run(self, p: ConvParams, inputs):
+        x, w = inputs[0].values, inputs[1].values
+        y = k_conv.depthwise_conv2d(x, w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
+                                    multiplier=p.multiplier, shift=p.shift, strides=p.strides, pads=p.pads,
+                                    dilations=p.dilations, act_min=p.act_min, act_max=p.act_max)
+        return [_out_tensor(y, p.out_q)]
+
+
+@register("FullyConnected")
+class FullyConnected(_ConvBase):
+    requant_field = "fc_requant"
+
+    def run(self, p: ConvParams, inputs):
+        x, w = inputs[0].values, inputs[1].values
+        n = x.shape[0]
+        x2 = x.reshape(n, -1)
+        w2 = w.reshape(w.shape[0], -1)
+        if x2.shape[1] != w2.shape[1]:
+            raise MaceqError(f"FullyConnected '{p.weights}': input has {x2.shape[1]} features, weights {w2.shape[1]}")
+        if p.requant == Requant.FLOAT32_ROUNDF.value:
+            y = k_conv.fully_connected(x2, w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
+                                       multiplier=_bits_f32(p.multiplier_f32_bits), act_min=p.act_min,
+                                       act_max=p.act_max)
+        else:
+            y = k_conv.fully_connected_fixed(x2, w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
+                                             multiplier=p.multiplier, shift=p.shift, act_min=p.act_min,
+                                             act_max=p.act_max)
+        return [_out_tensor(y.reshape(n, 1, 1, -1), p.out_q)]
+
+
+@dataclass(frozen=True)
+class EltwiseParams:
+    subtract: bool
+    a_scale_bits: int
+    a_zp: int
+    b_scale_bits: int
+    b_zp: int
+    out_scale_bits: int
+    out_zp: int
+
+
+@register("Eltwise")
+class Eltwise:
+    def prepare(self, op: RtOp, in_q, ctx) -> EltwiseParams:
+        kind = int(op.arg("type", 0))
+        if kind not in (0, 1):
+            raise MaceqError(f"op '{op.name}': uint8 Eltwise supports SUM (0) and SUB (1) only, got type {kind}")
+        if len(op.inputs) != 2:
+            raise MaceqError(f"op '{op.name}': uint8 Eltwise needs two tensor inputs")
+        a = _require_q(op, in_q[0], "input 0")
+        b = _require_q(op, in_q[1], "input 1")
+        o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
+        return EltwiseParams(kind == 1, _f32_bits(a.scale), a.zero_point, _f32_bits(b.scale), b.zero_point,
+                             _f32_bits(o.scale), o.zero_point)
+
+    def run(self, p: EltwiseParams, inputs):
+        y = k_eltwise.eltwise_add(inputs[0].values, inputs[1].values, a_scale=float(_bits_f32(p.a_scale_bits)),
+                                  a_zp=p.a_zp, b_scale=float(_bits_f32(p.b_scale_bits)), b_zp=p.b_zp,
+                                  out_scale=float(_bits_f32(p.out_scale_bits)), out_zp=p.out_zp, subtract=p.subtract)
+        return [_out_tensor(y, QInfo(float(_bits_f32(p.out_scale_bits)), p.out_zp))]
+
+
+@dataclass(frozen=True)
+class PoolParams:
+    kind: int
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    pads: tuple[int, int, int, int]
+    out_scale_bits: int
+    out_zp: int
+
+
+@register("Pooling")
+class Pooling:
+    def prepare(self, op: RtOp, in_q, ctx) -> PoolParams:
+        q = _require_q(op, in_q[0], "input")
+        kind = int(op.require("pooling_type"))
+        if kind not in (1, 2):
+            raise MaceqError(f"op '{op.name}': unknown pooling_type {kind}")
+        if any(d != 1 for d in op.arg("dilations", [1, 1])):
+            raise MaceqError(f"op '{op.name}': dilated pooling is not supported")
+        return PoolParams(kind, tuple(op.require("kernels")), tuple(op.arg("strides", [1, 1])), _pads(op),
+                          _f32_bits(q.scale), q.zero_point)
+
+    def run(self, p: PoolParams, inputs):
+        x = inputs[0].values
+        if p.kind == 2:
+            y = k_pool.max_pool(x, kernel=p.kernel, strides=p.strides, pads=p.pads)
+        else:
+            y = k_pool.avg_pool(x, kernel=p.kernel, strides=p.strides, pads=p.pads)
+        return [_out_tensor(y, inputs[0].qinfo)]
+
+
+@dataclass(frozen=True)
+class ReduceParams:
+    axes: tuple[int, ...]
+    keepdims: bool
+    in_scale_bits: int
+    in_zp: int
+    out_scale_bits: int
+    out_zp: int
+
+
+@register("Reduce")
+class Reduce:
+    def prepare(self, op: RtOp, in_q, ctx) -> ReduceParams:
+        if int(op.arg("reduce_type", 0)) != 0:
+            raise MaceqError(f"op '{op.name}': uint8 Reduce supports MEAN (reduce_type 0) only")
+        q = _require_q(op, in_q[0], "input")
+        o = op.out_qinfo[0] if op.out_qinfo else q
+        return ReduceParams(tuple(op.arg("axis", [1, 2])), bool(op.arg("keepdims", 1)), _f32_bits(q.scale),
+                            q.zero_point, _f32_bits(o.scale), o.zero_point)
+
+    def run(self, p: ReduceParams, inputs):
+        y = k_reduce.reduce_mean(inputs[0].values, axes=p.axes, keepdims=p.keepdims)
+        # reduce.cc: output->SetScale(input->scale()) -- the stored output info is not used.
+        return [_out_tensor(y, inputs[0].qinfo)]
+
+
+@dataclass(frozen=True)
+class ConcatParams:
+    axis: int
+    in_scale_bits: tuple[int, ...]
+    in_zps: tuple[int, ...]
+    out_scale_bits: int
+    out_zp: int
+
+
+@register("Concat")
+class Concat:
+    def prepare(self, op: RtOp, in_q, ctx) -> ConcatParams:
+        qs = [_require_q(op, q, f"input {k}") for k, q in enumerate(in_q)]
+        o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
+        return ConcatParams(int(op.arg("axis", 3)), tuple(_f32_bits(q.scale) for q in qs),
+                            tuple(q.zero_point for q in qs), _f32_bits(o.scale), o.zero_point)
+
+    def run(self, p: ConcatParams, inputs):
+        in_q = [QInfo(float(_bits_f32(s)), z) for s, z in zip(p.in_scale_bits, p.in_zps)]
+        out_scale = float(_bits_f32(p.out_scale_bits))
+        y = k_concat.concat([t.values for t in inputs], axis=p.axis, in_qinfos=in_q, out_scale=out_scale,
+                            out_zp=p.out_zp)
+        return [_out_tensor(y, QInfo(out_scale, p.out_zp))]
+
+
+@dataclass(frozen=True)
+class SoftmaxParams:
+    in_scale_bits: int
+    in_zp: int
+    out_scale_bits: int
+    out_zp: int
+
+
+@register("Softmax")
+class Softmax:
+    def prepare(self, op: RtOp, in_q, ctx) -> SoftmaxParams:
+        q = _require_q(op, in_q[0], "input")
+        o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
+        return SoftmaxParams(_f32_bits(q.scale), q.zero_point, _f32_bits(o.scale), o.zero_point)
+
+    def run(self, p: SoftmaxParams, inputs):
+        x = inputs[0].values
+        y = k_softmax.softmax(x, in_scale=float(_bits_f32(p.in_scale_bits)))
+        return [_out_tensor(y, QInfo(float(_bits_f32(p.out_scale_bits)), p.out_zp))]
+
+
+@dataclass(frozen=True)
+class QuantizeParams:
+    find_range: bool
+    scale_bits: int
+    zero_point: int
+    rule: str
+
+
+@register("Quantize")
+class Quantize:
+    def prepare(self, op: RtOp, in_q, ctx) -> QuantizeParams:
+        o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
+        prof = ctx.profile
+        find = bool(op.arg("find_range_every_time", 0)) and prof.find_range_every_time
+        return QuantizeParams(find, _f32_bits(o.scale), o.zero_point, prof.input_quantize.value)
+
+    def run(self, p: QuantizeParams, inputs):
+        x = np.asarray(inputs[0].values, dtype=np.float32)
+        if p.rule != InputQuantize.NEON_TRUNC.value:
+            raise MaceqError(f"input quantize rule {p.rule} is not implemented")
+        if p.find_range:
+            lo, hi = k_quant.find_range(x)
+            scale, zp = k_quant.adjust_range(lo, hi, non_zero=False)
+        else:
+            scale, zp = float(_bits_f32(p.scale_bits)), p.zero_point
+        y = k_quant.quantize_neon(x, scale=scale, zero_point=zp)
+        return [_out_tensor(y, QInfo(float(np.float32(scale)), int(zp)))]
+
+
+@dataclass(frozen=True)
+class DequantizeParams:
+    pass
+
+
+@register("Dequantize")
+class Dequantize:
+    def prepare(self, op: RtOp, in_q, ctx) -> DequantizeParams:
+        _require_q(op, in_q[0], "input")
+        return DequantizeParams()
+
+    def run(self, p: DequantizeParams, inputs):
+        t = inputs[0]
+        y = k_quant.dequantize(t.values, scale=t.qinfo.scale, zero_point=t.qinfo.zero_point)
+        return [_out_tensor(y, None)]

@@ -1,0 +1,87 @@
+"""Device profiles: the arithmetic rules of each simulated device, as data.
+
+Kernels read their rounding and requantization rules from the profile they
+are prepared for; nothing in a kernel tests which device it runs on. The full
+written spec of each profile is docs/semantics.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from maceq.errors import MaceqError
+
+
+class Device(Enum):
+    CPU = "cpu"
+    GPU = "gpu"
+    DSP = "dsp"
+
+    @classmethod
+    def parse(cls, value: "str | Device") -> "Device":
+        if isinstance(value, Device):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise MaceqError(f"unknown device '{value}' (choose from {', '.join(d.value for d in cls)})") from None
+
+
+class MultiplierRule(Enum):
+    """How s_in * s_w / s_out is computed before QuantizeMultiplier."""
+
+    FLOAT32 = "float32"  # MACE mace/core/quantize.h GetOutputMultiplierAndShift
+    DOUBLE = "double"    # TFLite GetQuantizedConvolutionMultipler
+
+
+class Requant(Enum):
+    """How an int32 accumulator becomes a uint8 code."""
+
+    GEMMLOWP = "gemmlowp"              # multiply_by_quantized_multiplier, + zp, clamp
+    FLOAT32_ROUNDF = "float32_roundf"  # roundf(float(acc) * M + zp), clamp (MACE q8 gemv)
+
+
+class InputQuantize(Enum):
+    """How the input Quantize op maps float to uint8."""
+
+    NEON_TRUNC = "neon_trunc"  # trunc(zp + 0.5 + x * (1/s)), float32 steps (MACE quantize.h, NEON)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    device: Device
+    description: str
+    multiplier_rule: MultiplierRule
+    conv_requant: Requant
+    depthwise_requant: Requant
+    fc_requant: Requant
+    input_quantize: InputQuantize
+    #: MACE rescales an int32 bias whose scale differs from s_in*s_w by more than this (absolute).
+    bias_rescale_threshold: float
+    #: The input Quantize op recomputes its range from every input tensor.
+    find_range_every_time: bool
+    #: Whether uint8 kernels apply the `activation`/`max_limit` args (MACE's do not).
+    honours_activation_args: bool
+
+
+CPU = DeviceProfile(
+    device=Device.CPU,
+    description="MACE ARM CPU uint8 kernels (gemmlowp for Conv2D/DepthwiseConv2d, float gemv for FullyConnected)",
+    multiplier_rule=MultiplierRule.FLOAT32,
+    conv_requant=Requant.GEMMLOWP,
+    depthwise_requant=Requant.GEMMLOWP,
+    fc_requant=Requant.FLOAT32_ROUNDF,
+    input_quantize=InputQuantize.NEON_TRUNC,
+    bias_rescale_threshold=1e-6,
+    find_range_every_time=True,
+    honours_activation_args=False,
+)
+
+PROFILES: dict[Device, DeviceProfile] = {Device.CPU: CPU}
+
+
+def get_profile(device: "str | Device") -> DeviceProfile:
+    d = Device.parse(device)
+    if d not in PROFILES:
+        raise MaceqError(f"device '{d.value}' has no profile yet (available: {', '.join(p.value for p in PROFILES)})")
+    return PROFILES[d]
