@@ -1,0 +1,73 @@
+"""Kernel registry, device profiles and the YAML config loader."""
+import pytest
+
+from maceq.calibrate.methods import RangeMethod
+from maceq.errors import MaceqError
+from maceq.quant.config import config_from_dict, load_config
+from maceq.runtime import ops  # noqa: F401  (registers the kernels)
+from maceq.runtime.profiles import CPU, Device, Requant, get_profile
+from maceq.runtime.registry import _REGISTRY, kernel_table, lookup, register
+
+
+def test_duplicate_registration_raises():
+    with pytest.raises(ValueError, match="registered twice"):
+        @register("Conv2D")
+        class Again:  # noqa: F841
+            pass
+
+
+def test_device_table_is_default_plus_overrides():
+    @register("Softmax", device=Device.DSP)
+    class DspSoftmax:
+        pass
+
+    try:
+        assert kernel_table(Device.DSP)["Softmax"] is DspSoftmax
+        assert kernel_table(Device.CPU)["Softmax"] is ops.Softmax
+        assert kernel_table(Device.DSP)["Conv2D"] is ops.Conv2D  # inherited from the default table
+    finally:
+        del _REGISTRY[("Softmax", Device.DSP)]
+    with pytest.raises(MaceqError, match="op 'x'.*'Nope'"):
+        lookup("Nope", Device.CPU, op_name="x")
+
+
+def test_cpu_profile_rules_are_data():
+    p = get_profile("cpu")
+    assert p is CPU and p.fc_requant is Requant.FLOAT32_ROUNDF and p.conv_requant is Requant.GEMMLOWP
+    with pytest.raises(MaceqError, match="unknown device 'npu'"):
+        get_profile("npu")
+    with pytest.raises(MaceqError, match="no profile yet"):
+        get_profile("gpu")
+
+
+def test_config_overrides_most_specific_glob_wins(tmp_path):
+    f = tmp_path / "c.yml"
+    f.write_text("range_method: percentile\npercentile: 99.9\nlayers:\n"
+                 "  '*': {range_method: min_max}\n"
+                 "  '/features/1/*': {percentile: 99.0, range_method: percentile}\n")
+    c = load_config(f)
+    assert c.method_for("logits") == (RangeMethod.MIN_MAX, 99.9)
+    assert c.method_for("/features/1/conv/Conv_output_0") == (RangeMethod.PERCENTILE, 99.0)
+    assert config_from_dict(None).method_for("x") == (RangeMethod.PERCENTILE, 99.99)
+
+
+@pytest.mark.parametrize("doc,msg", [
+    ({"rangemethod": "min_max"}, "unknown key 'rangemethod'"),
+    ({"range_method": "mse2"}, "unknown range_method 'mse2'"),
+    ({"percentile": 20}, "percentile must be in"),
+    ({"batch_size": 0}, "batch_size: must be a positive integer"),
+    ({"layers": {"a*": {"clip": 1}}}, r"layers\['a\*'\]: unknown key 'clip'"),
+    ([1, 2], "top level must be a mapping"),
+])
+def test_config_errors_name_the_key(doc, msg):
+    with pytest.raises(MaceqError, match=msg):
+        config_from_dict(doc, source="c.yml")
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(MaceqError, match="no such config file"):
+        load_config(tmp_path / "missing.yml")
+    bad = tmp_path / "bad.yml"
+    bad.write_text("a: [1,\n")
+    with pytest.raises(MaceqError, match="bad.yml: not valid YAML"):
+        load_config(bad)
