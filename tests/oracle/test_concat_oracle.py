@@ -66,27 +66,37 @@ def _inputs(rng, k: int, axis: int, base=(2, 3, 4, 5)):
     return xs
 
 
+def _random_case(rng, *, exact: bool):
+    """(inputs, axis, qinfos, out_scale, out_zp); ``exact``: dyadic scales and out_zp = 0."""
+    axis = int(rng.integers(0, 4))
+    k = int(rng.integers(1, 5))
+    xs = _inputs(rng, k, axis)
+    if exact:
+        out_scale, out_zp = 2.0 ** -int(rng.integers(3, 9)), 0
+    else:
+        out_scale, out_zp = float(F32(rng.uniform(0.01, 0.1))), int(rng.integers(0, 256))
+    qinfos = []
+    for _ in range(k):
+        if rng.random() < 0.2:
+            qinfos.append((out_scale, out_zp))  # copied unchanged
+        elif exact:  # m / 2^j with m < 2^9: exact products; odd m and 2^j > out_scale make halves
+            qinfos.append((int(rng.integers(1, 512)) * 2.0 ** -int(rng.integers(6, 12)), int(rng.integers(0, 256))))
+        else:
+            qinfos.append((float(F32(out_scale * rng.uniform(0.3, 3.0))), int(rng.integers(0, 256))))
+    return xs, axis, qinfos, out_scale, out_zp
+
+
 def test_matches_tflite_when_float_steps_are_exact_and_out_zp_is_zero():
     rng = np.random.default_rng(201)
     total = mismatches = 0
     for _ in range(40):
-        axis = int(rng.integers(0, 4))
-        k = int(rng.integers(1, 5))
-        xs = _inputs(rng, k, axis)
-        out_scale = 2.0 ** -int(rng.integers(3, 9))
-        qinfos = []
-        for _ in range(k):
-            if rng.random() < 0.25:
-                qinfos.append((out_scale, 0))  # copied unchanged
-            else:  # m / 2^j with m < 2^9: exact products; odd m and 2^j > out_scale make halves
-                qinfos.append((int(rng.integers(1, 512)) * 2.0 ** -int(rng.integers(6, 12)),
-                               int(rng.integers(0, 256))))
-        got = concat(xs, axis=axis, in_qinfos=qinfos, out_scale=out_scale, out_zp=0)
-        want = _tflite_concat(xs, axis, qinfos, out_scale, 0)
+        xs, axis, qinfos, out_scale, out_zp = _random_case(rng, exact=True)
+        got = concat(xs, axis=axis, in_qinfos=qinfos, out_scale=out_scale, out_zp=out_zp)
+        want = _tflite_concat(xs, axis, qinfos, out_scale, out_zp)
         total += got.size
         mismatches += int((got != want).sum())
-    assert total > 5000
     assert mismatches == 0
+    assert total > 5000
 
 
 def test_mace_and_tflite_differ_at_negative_halves_when_out_zp_is_nonzero():
@@ -110,13 +120,7 @@ def test_kernel_matches_scalar_transcription_for_arbitrary_scales():
     rng = np.random.default_rng(203)
     total = mismatches = 0
     for _ in range(40):
-        axis = int(rng.integers(0, 4))
-        k = int(rng.integers(1, 4))
-        xs = _inputs(rng, k, axis)
-        out_scale = float(F32(rng.uniform(0.01, 0.1)))
-        out_zp = int(rng.integers(0, 256))
-        qinfos = [(out_scale, out_zp) if rng.random() < 0.2 else
-                  (float(F32(out_scale * rng.uniform(0.3, 3.0))), int(rng.integers(0, 256))) for _ in range(k)]
+        xs, axis, qinfos, out_scale, out_zp = _random_case(rng, exact=False)
         got = concat(xs, axis=axis, in_qinfos=qinfos, out_scale=out_scale, out_zp=out_zp)
         want = _mace_scalar(xs, axis, qinfos, out_scale, out_zp)
         total += got.size
