@@ -1,0 +1,262 @@
+"""gemmlowp / TFLite fixed-point primitives, exact, on Python ints and numpy arrays.
+
+Every function here accepts either Python ints (or floats where noted) or numpy
+arrays, elementwise. Integer arguments are values of int32 range carried in
+Python ints or ``np.int64`` arrays; the int64 carrier is wide enough that no
+intermediate below overflows (each function argues its bound). A Python scalar
+in gives a Python scalar out; an array in gives an ``np.int64`` array out.
+
+Upstream sources transcribed (cited per function):
+- gemmlowp ``fixedpoint/fixedpoint.h``: SaturatingRoundingDoublingHighMul,
+  RoundingDivideByPOT.
+- TFLite ``tensorflow/lite/kernels/internal/common.h``:
+  MultiplyByQuantizedMultiplier (the double-rounding build, i.e. without
+  TFLITE_SINGLE_ROUNDING, as the ai-edge-litert 2.3.0 wheel is built).
+- TFLite ``tensorflow/lite/kernels/internal/quantization_util.cc``:
+  QuantizeMultiplier.
+- MACE ``mace/core/quantize.h``: QuantizeMultiplier, GetOutputMultiplierAndShift.
+- MACE ``mace/ops/arm/q8/quantization_util.cc``: GetBiasData (bias rescale).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from maceq.errors import MaceqError
+
+INT32_MIN = -(1 << 31)
+INT32_MAX = (1 << 31) - 1
+
+__all__ = [
+    "INT32_MIN",
+    "INT32_MAX",
+    "round_half_away",
+    "wrap_int32",
+    "quantize_multiplier",
+    "mace_output_multiplier",
+    "mace_float_multiplier",
+    "mace_bias_needs_rescale",
+    "mace_rescale_bias",
+    "saturating_rounding_doubling_high_mul",
+    "rounding_divide_by_pot",
+    "multiply_by_quantized_multiplier",
+]
+
+
+def _as_i64(x):
+    """(array, was_scalar): ``x`` as an np.int64 array, remembering if it was a scalar."""
+    scalar = np.ndim(x) == 0 and not isinstance(x, np.ndarray)
+    return np.asarray(x, dtype=np.int64), scalar
+
+
+def _out(a: np.ndarray, scalar: bool):
+    return int(a) if scalar else a
+
+
+def round_half_away(x):
+    """Contract: the nearest integer to float ``x``, ties away from zero, exact; -> int / np.int64.
+
+    This is C's ``round``/``roundf``/``roundl`` and TFLite's ``TfLiteRound``.
+    ``np.round`` rounds ties to even and must not be used for these kernels.
+    Exactness: ``t = trunc(x)`` and ``f = x - t`` are both exact in the input's
+    own float format (the fraction of a float is a float of the same format),
+    so the tie test ``|f| >= 0.5`` is exact; float32 input is handled in float32.
+    """
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    scalar = np.ndim(x) == 0 and not isinstance(x, np.ndarray)
+    a = np.asarray(x)
+    if not np.issubdtype(a.dtype, np.floating):
+        a = a.astype(np.float64)
+    if not np.all(np.isfinite(a)):
+        raise MaceqError("round_half_away: non-finite value")
+    t = np.trunc(a)
+    f = a - t  # exact: |f| < 1 and shares the ulp grid of a
+    step = (np.abs(f) >= 0.5).astype(np.int64) * np.where(a < 0, -1, 1)
+    r = t.astype(np.int64) + step
+    return int(r) if scalar else r
+
+
+def wrap_int32(x):
+    """Contract: ``x`` reduced to int32 two's complement (x mod 2^32 in [-2^31, 2^31)); int64 in.
+
+    Models what 32-bit hardware does on overflow of an int32 sum/product or a
+    left shift (C leaves signed overflow undefined; every compiler/ISA MACE and
+    TFLite run on wraps).
+    """
+    a, scalar = _as_i64(x)
+    r = ((a - INT32_MIN) & 0xFFFFFFFF) + INT32_MIN
+    return _out(r, scalar)
+
+
+def quantize_multiplier(real_multiplier: float) -> tuple[int, int]:
+    """Contract: (q, shift) with real ~= q * 2^(shift - 31), q in [2^30, 2^31) or (0, 0).
+
+    TFLite ``QuantizeMultiplier`` (quantization_util.cc), computed in double:
+    ``m, e = frexp(real)``; ``q = round_half_away(m * 2^31)`` (exact: m*2^31 is a
+    double with the same significand); if ``q == 2^31`` then q /= 2, e += 1;
+    if ``e < -31`` the result is (0, 0) (flush to zero). ``shift > 0`` means a
+    left shift. MACE's QuantizeMultiplier (quantize.h) is the same except it has
+    no flush; for e < -31 MACE's right shift of >= 32 also gives 0, so (0, 0) is
+    equivalent there too. Negative multipliers keep their sign in q.
+    """
+    d = float(real_multiplier)
+    if d == 0.0:
+        return 0, 0
+    if not math.isfinite(d):
+        raise MaceqError(f"quantize_multiplier: non-finite multiplier {d!r}")
+    m, e = math.frexp(d)
+    q = round_half_away(m * (1 << 31))
+    if abs(q) == (1 << 31):
+        q //= 2
+        e += 1
+    if e < -31:
+        return 0, 0
+    return int(q), int(e)
+
+
+def mace_float_multiplier(s_in, s_w, s_out) -> np.float32:
+    """Contract: float32(float32(s_in * s_w) / s_out), every op rounded in float32.
+
+    The expression ``lhs_scale * rhs_scale / output_scale`` on floats, as in
+    MACE ``GetOutputMultiplierAndShift`` (mace/core/quantize.h), q8 ``Gemv``
+    (mace/ops/arm/q8/gemv.cc) and ``DepthwiseConv2dGeneral``
+    (mace/ops/depthwise_conv2d.cc). Scales are taken as float32 (the values
+    stored in the model). Multiplication commutes exactly in IEEE arithmetic,
+    so the operand order of s_in and s_w does not matter.
+    """
+    a, b, c = np.float32(s_in), np.float32(s_w), np.float32(s_out)
+    if c == 0:
+        raise MaceqError("mace_float_multiplier: output scale is zero")
+    with np.errstate(over="ignore", under="ignore"):
+        return np.float32(np.float32(a * b) / c)
+
+
+def mace_output_multiplier(s_in, s_w, s_out) -> tuple[int, int]:
+    """Contract: MACE GetOutputMultiplierAndShift as (q, shift), TFLite convention, shift <= 0.
+
+    mace/core/quantize.h: ``float real = lhs_scale * rhs_scale / output_scale``
+    (float32), ``MACE_CHECK(real > 0 && real < 1)``, then QuantizeMultiplier on
+    the float32 value widened to double. MACE returns ``right_shift = -exponent``;
+    here ``shift = exponent`` (<= 0) so it plugs into
+    :func:`multiply_by_quantized_multiplier` like TFLite's.
+    Raises MaceqError when the float32 multiplier is not in (0, 1).
+    """
+    real = mace_float_multiplier(s_in, s_w, s_out)
+    if not (real > 0 and real < 1):
+        raise MaceqError(
+            f"MACE requires 0 < s_in*s_w/s_out < 1 (mace/core/quantize.h), got {float(real)!r} "
+            f"from s_in={float(np.float32(s_in))!r}, s_w={float(np.float32(s_w))!r}, "
+            f"s_out={float(np.float32(s_out))!r}")
+    q, shift = quantize_multiplier(float(real))
+    assert shift <= 0
+    return q, shift
+
+
+def mace_bias_needs_rescale(s_in, s_w, s_bias) -> bool:
+    """Contract: MACE's test ``fabs(s_in * s_w - s_bias) > 1e-6``, float32 ops, double compare.
+
+    mace/ops/arm/q8/quantization_util.cc (GetBiasData): the product and the
+    difference are float32 operations; the comparison is against the double
+    literal 1e-6 (the float difference widens to double exactly).
+    """
+    prod = np.float32(np.float32(s_in) * np.float32(s_w))
+    diff = np.float32(prod - np.float32(s_bias))
+    return abs(float(diff)) > 1e-6
+
+
+def mace_rescale_bias(bias, s_in, s_w, s_bias) -> np.ndarray:
+    """Contract: the int32 bias MACE's uint8 Conv2D/DepthwiseConv2d actually add; int32 array out.
+
+    mace/ops/arm/q8/quantization_util.cc (GetBiasData): when
+    :func:`mace_bias_needs_rescale`, each entry becomes
+    ``int32(roundf(float(bias[i]) * adjust))`` with
+    ``adjust = float32(s_bias / float32(s_in * s_w))``: the int32 -> float
+    conversion rounds to nearest-even (|bias| > 2^24 loses bits), the product is
+    float32, roundf is half away from zero. Otherwise the bias is returned
+    unchanged. ``bias=None`` is not accepted here (MACE then uses zeros; the
+    caller passes ``None`` to the kernel instead).
+    """
+    b = np.asarray(bias)
+    if not np.issubdtype(b.dtype, np.integer):
+        raise MaceqError(f"mace_rescale_bias: bias must be integer, got {b.dtype}")
+    b = b.astype(np.int64)
+    if b.size and (b.min() < INT32_MIN or b.max() > INT32_MAX):
+        raise MaceqError("mace_rescale_bias: bias outside int32")
+    if not mace_bias_needs_rescale(s_in, s_w, s_bias):
+        return b.astype(np.int32)
+    prod = np.float32(np.float32(s_in) * np.float32(s_w))
+    adjust = np.float32(np.float32(s_bias) / prod)
+    v = b.astype(np.float32) * adjust  # float32 * float32 -> float32
+    r = round_half_away(v)
+    r = np.asarray(r, dtype=np.int64)
+    if r.size and (r.min() < INT32_MIN or r.max() > INT32_MAX):
+        raise MaceqError("mace_rescale_bias: rescaled bias outside int32")
+    return r.astype(np.int32)
+
+
+def saturating_rounding_doubling_high_mul(a, b):
+    """Contract: floor(a*b / 2^31 + 1/2) for int32 a, b; INT32_MIN*INT32_MIN -> INT32_MAX.
+
+    gemmlowp fixedpoint.h ``SaturatingRoundingDoublingHighMul`` (= ARM VQRDMULH):
+    ``ab = a*b`` in int64, ``nudge = ab >= 0 ? 2^30 : 1 - 2^30``, then
+    ``(ab + nudge) / 2^31`` with C's truncating division; saturate the one
+    overflow case. Computed here as ``(ab + 2^30) >> 31`` (an arithmetic,
+    flooring shift), which is the same number: write ab = k*2^31 + r with
+    0 <= r < 2^31; both forms give k + [r >= 2^30] (for ab < 0 the truncation
+    is a ceiling of (r + 1 - 2^30) / 2^31 in (-1/2, 1/2]). Ties therefore go
+    toward +inf. Bounds: |ab| <= 2^62, so ab + 2^30 fits int64; the only
+    result above INT32_MAX is 2^31, from INT32_MIN*INT32_MIN, which the
+    final minimum saturates (INT32_MIN*(INT32_MIN+1) gives exactly INT32_MAX).
+    """
+    aa, sa = _as_i64(a)
+    bb, sb = _as_i64(b)
+    r = np.asarray(aa * bb, dtype=np.int64)
+    r += 1 << 30
+    r >>= 31
+    np.minimum(r, INT32_MAX, out=r)
+    return _out(r, sa and sb)
+
+
+def rounding_divide_by_pot(x, exponent):
+    """Contract: x / 2^exponent rounded to nearest, ties away from zero; 0 <= exponent <= 31.
+
+    gemmlowp fixedpoint.h ``RoundingDivideByPOT``: ``mask = 2^e - 1``,
+    ``remainder = x & mask``, ``threshold = (mask >> 1) + (x < 0)``, result
+    ``(x >> e) + (remainder > threshold)`` with an arithmetic shift. Exponent 0
+    returns x. ``exponent`` may be an array (per-channel) broadcast against x.
+    """
+    xx, sx = _as_i64(x)
+    ee, se = _as_i64(exponent)
+    if np.any(ee < 0) or np.any(ee > 31):
+        raise MaceqError(f"rounding_divide_by_pot: exponent out of [0, 31]: {exponent!r}")
+    mask = (np.int64(1) << ee) - 1
+    remainder = xx & mask
+    threshold = (mask >> 1) + (xx < 0)  # bool adds as 0/1
+    r = (xx >> ee) + (remainder > threshold)
+    return _out(r, sx and se)
+
+
+def multiply_by_quantized_multiplier(x, quantized_multiplier, shift):
+    """Contract: TFLite MultiplyByQuantizedMultiplier (double rounding); int32 x, q, shift in.
+
+    tensorflow/lite/kernels/internal/common.h (non-TFLITE_SINGLE_ROUNDING):
+    ``left = max(shift, 0)``, ``right = max(-shift, 0)``;
+    ``RoundingDivideByPOT(SaturatingRoundingDoublingHighMul(x * 2^left, q), right)``.
+    ``x * 2^left`` is an int32 product: it wraps (see :func:`wrap_int32`), it
+    does not saturate. With shift <= 0 (every MACE multiplier) this is also
+    gemmlowp's OutputStageQuantizeDownInt32ByFixedPoint. q and shift may be
+    per-channel arrays broadcast against x.
+    """
+    xx, sx = _as_i64(x)
+    qq, sq = _as_i64(quantized_multiplier)
+    ss, ssh = _as_i64(shift)
+    left = np.maximum(ss, 0)
+    right = np.maximum(-ss, 0)
+    if np.any(left > 31):
+        raise MaceqError(f"multiply_by_quantized_multiplier: left shift > 31: {shift!r}")
+    if np.any(left > 0):
+        xx = wrap_int32(xx << left)  # |x| < 2^31, left <= 31: < 2^62, fits int64
+    r = rounding_divide_by_pot(saturating_rounding_doubling_high_mul(xx, qq), right)
+    return _out(np.asarray(r, dtype=np.int64), sx and sq and ssh)
