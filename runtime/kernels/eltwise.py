@@ -161,16 +161,17 @@ def eltwise_add(a, b, *, a_scale: float, a_zp: int, b_scale: float, b_zp: int,
     srdhm, rdbp = saturating_rounding_doubling_high_mul, rounding_divide_by_pot
     x = (a.ravel().astype(np.int64) - p.a_zp) << LEFT_SHIFT
     y = (b_full.ravel().astype(np.int64) - p.b_zp) << LEFT_SHIFT
+    n = x.size
+    body = (n // NEON_BLOCK) * NEON_BLOCK
+    # Body: arithmetic shift right (floor); tail: rounding divide (ties away from zero).
     xm = srdhm(x, p.a_multiplier)
     ym = srdhm(y, p.b_multiplier)
-    n = x.size
-    body = np.arange(n) < (n // NEON_BLOCK) * NEON_BLOCK
-    # Body: arithmetic shift right (floor); tail: rounding divide (ties away from zero).
-    xs = np.where(body, xm >> -p.a_shift, rdbp(xm, -p.a_shift))
-    ys = np.where(body, ym >> -p.b_shift, rdbp(ym, -p.b_shift))
+    xs = np.concatenate([xm[:body] >> -p.a_shift, rdbp(xm[body:], -p.a_shift)])
+    ys = np.concatenate([ym[:body] >> -p.b_shift, rdbp(ym[body:], -p.b_shift)])
     r = xs - ys if subtract else xs + ys
     r = rdbp(srdhm(r, p.out_multiplier), -p.out_shift)
-    wrapped = ((((r + 0x8000) & 0xFFFF) - 0x8000 + p.out_zp + 0x8000) & 0xFFFF) - 0x8000
-    v = np.where(body, wrapped, r + p.out_zp)
+    v = r + p.out_zp  # tail: int32 add, then Saturate
+    # body: VMOVN keeps the low 16 bits, VADDQ_S16 adds the zero point modulo 2^16
+    v[:body] = (((((r[:body] + 0x8000) & 0xFFFF) - 0x8000 + p.out_zp) + 0x8000) & 0xFFFF) - 0x8000
     v = np.clip(np.clip(v, 0, 255), act_min, act_max)
     return v.astype(np.uint8).reshape(a.shape)
