@@ -185,6 +185,11 @@ class MaceBuilder:
         if node.attr("auto_pad", "NOTSET") not in ("NOTSET", ""):
             raise MaceqError(f"node '{node.name}' (Conv): auto_pad={node.attr('auto_pad')} is not supported; "
                              "re-export with explicit pads")
+        if not depthwise and group != 1:
+            raise MaceqError(f"node '{node.name}' (Conv): grouped convolution (group={group}) has no uint8 kernel "
+                             "in MACE's CPU runtime")
+        if not depthwise and any(int(d) != 1 for d in node.attr("dilations", [1, 1])):
+            raise MaceqError(f"node '{node.name}' (Conv): MACE's uint8 Conv2D rejects dilation > 1")
         op = self._new_op(op_name, "DepthwiseConv2d" if depthwise else "Conv2D", [], [out_name], source=node.name)
         op.input.append(self._src(node.inputs[0]))
         op.input.extend(self._weights_and_bias(node, w_mace, bias))

@@ -61,6 +61,10 @@ def _multiplier(profile, s_in, s_w, s_out) -> tuple[int, int]:
                                         / np.float64(np.float32(s_out))))
 
 
+_FLOAT_ROUNDING = {Requant.FLOAT32_ROUNDF: k_conv.FloatRequant.ADD_ZP_THEN_ROUND,
+                   Requant.FLOAT32_ROUND_THEN_ZP: k_conv.FloatRequant.ROUND_THEN_ADD_ZP}
+
+
 @dataclass(frozen=True)
 class ConvParams:
     x_zp: int
@@ -86,7 +90,11 @@ class ConvParams:
 
 
 class _ConvBase:
-    requant_field = "conv_requant"
+    def requant_rule(self, op: RtOp, prof) -> Requant:
+        return prof.conv_requant
+
+    def rescales_bias(self, prof) -> bool:
+        return prof.conv_rescales_bias
 
     def prepare(self, op: RtOp, in_q, ctx) -> ConvParams:
         prof = ctx.profile
@@ -97,10 +105,10 @@ class _ConvBase:
         if len(op.inputs) > 2:
             bq = in_q[2]
             b = ctx.consts[op.inputs[2]]
-            if bq is not None and prof.bias_rescale_threshold is not None:
+            if bq is not None and self.rescales_bias(prof):
                 b = fp.mace_rescale_bias(b, xq.scale, wq.scale, bq.scale)
             bias = tuple(int(v) for v in np.asarray(b).ravel())
-        requant: Requant = getattr(prof, self.requant_field)
+        requant = self.requant_rule(op, prof)
         if requant is Requant.GEMMLOWP:
             mult, shift = _multiplier(prof, xq.scale, wq.scale, out_q.scale)
             mbits = 0
@@ -132,19 +140,31 @@ class Conv2D(_ConvBase):
 
 @register("DepthwiseConv2d")
 class DepthwiseConv2d(_ConvBase):
-    requant_field = "depthwise_requant"
+    def requant_rule(self, op: RtOp, prof) -> Requant:
+        if any(d != 1 for d in op.arg("dilations", [1, 1])):
+            return prof.dilated_depthwise_requant
+        return prof.depthwise_requant
 
     def run(self, p: ConvParams, inputs):
         x, w = inputs[0].values, inputs[1].values
+        if p.requant == Requant.GEMMLOWP.value:
+            fixed = dict(multiplier=p.multiplier, shift=p.shift)
+        else:
+            fixed = dict(float_multiplier=_bits_f32(p.multiplier_f32_bits),
+                         float_rounding=_FLOAT_ROUNDING[Requant(p.requant)])
         y = k_conv.depthwise_conv2d(x, w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
-                                    multiplier=p.multiplier, shift=p.shift, strides=p.strides, pads=p.pads,
-                                    dilations=p.dilations, act_min=p.act_min, act_max=p.act_max)
+                                    strides=p.strides, pads=p.pads, dilations=p.dilations, act_min=p.act_min,
+                                    act_max=p.act_max, **fixed)
         return [_out_tensor(y, p.out_q)]
 
 
 @register("FullyConnected")
 class FullyConnected(_ConvBase):
-    requant_field = "fc_requant"
+    def requant_rule(self, op: RtOp, prof) -> Requant:
+        return prof.fc_requant
+
+    def rescales_bias(self, prof) -> bool:
+        return prof.fc_rescales_bias
 
     def run(self, p: ConvParams, inputs):
         x, w = inputs[0].values, inputs[1].values
@@ -153,10 +173,10 @@ class FullyConnected(_ConvBase):
         w2 = w.reshape(w.shape[0], -1)
         if x2.shape[1] != w2.shape[1]:
             raise MaceqError(f"FullyConnected '{p.weights}': input has {x2.shape[1]} features, weights {w2.shape[1]}")
-        if p.requant == Requant.FLOAT32_ROUNDF.value:
+        if p.requant != Requant.GEMMLOWP.value:
             y = k_conv.fully_connected(x2, w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
                                        multiplier=_bits_f32(p.multiplier_f32_bits), act_min=p.act_min,
-                                       act_max=p.act_max)
+                                       act_max=p.act_max, rounding=_FLOAT_ROUNDING[Requant(p.requant)])
         else:
             y = k_conv.fully_connected_fixed(x2, w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
                                              multiplier=p.multiplier, shift=p.shift, act_min=p.act_min,

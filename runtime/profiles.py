@@ -39,6 +39,7 @@ class Requant(Enum):
 
     GEMMLOWP = "gemmlowp"              # multiply_by_quantized_multiplier, + zp, clamp
     FLOAT32_ROUNDF = "float32_roundf"  # roundf(float(acc) * M + zp), clamp (MACE q8 gemv)
+    FLOAT32_ROUND_THEN_ZP = "float32_round_then_zp"  # roundf(float(acc) * M) + zp, clamp (MACE DepthwiseConv2dGeneral)
 
 
 class InputQuantize(Enum):
@@ -54,10 +55,15 @@ class DeviceProfile:
     multiplier_rule: MultiplierRule
     conv_requant: Requant
     depthwise_requant: Requant
+    #: DepthwiseConv2d with any dilation > 1 (MACE runs DepthwiseConv2dGeneral, a float path).
+    dilated_depthwise_requant: Requant
     fc_requant: Requant
+    #: Whether the FullyConnected bias goes through the bias-rescale rule (MACE's gemv adds it raw).
+    fc_rescales_bias: bool
     input_quantize: InputQuantize
-    #: MACE rescales an int32 bias whose scale differs from s_in*s_w by more than this (absolute).
-    bias_rescale_threshold: float
+    #: Conv2D/DepthwiseConv2d rescale an int32 bias whose scale differs from s_in*s_w by more
+    #: than 1e-6 (mace/ops/arm/q8/quantization_util.cc, see fixedpoint.mace_rescale_bias).
+    conv_rescales_bias: bool
     #: The input Quantize op recomputes its range from every input tensor.
     find_range_every_time: bool
     #: Whether uint8 kernels apply the `activation`/`max_limit` args (MACE's do not).
@@ -70,9 +76,11 @@ CPU = DeviceProfile(
     multiplier_rule=MultiplierRule.FLOAT32,
     conv_requant=Requant.GEMMLOWP,
     depthwise_requant=Requant.GEMMLOWP,
+    dilated_depthwise_requant=Requant.FLOAT32_ROUND_THEN_ZP,
     fc_requant=Requant.FLOAT32_ROUNDF,
+    fc_rescales_bias=False,
     input_quantize=InputQuantize.NEON_TRUNC,
-    bias_rescale_threshold=1e-6,
+    conv_rescales_bias=True,
     find_range_every_time=True,
     honours_activation_args=False,
 )
