@@ -316,7 +316,8 @@ class Softmax:
     def run(self, p: SoftmaxParams, inputs):
         x = inputs[0].values
         y = k_softmax.softmax(x, in_scale=float(_bits_f32(p.in_scale_bits)))
-        return [_out_tensor(y, QInfo(float(_bits_f32(p.out_scale_bits)), p.out_zp))]
+        # softmax.cc sets the output's scale/zero point itself (1/255, 0), whatever the model stored.
+        return [_out_tensor(y, QInfo(float(np.float32(k_softmax.OUT_SCALE)), int(k_softmax.OUT_ZP)))]
 
 
 @dataclass(frozen=True)
@@ -332,7 +333,8 @@ class Quantize:
     def prepare(self, op: RtOp, in_q, ctx) -> QuantizeParams:
         o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
         prof = ctx.profile
-        find = bool(op.arg("find_range_every_time", 0)) and prof.find_range_every_time
+        # quantize.cc: the range is recomputed when find_range_every_time is set or no scale is stored.
+        find = (bool(op.arg("find_range_every_time", 0)) and prof.find_range_every_time) or o.scale == 0.0
         return QuantizeParams(find, _f32_bits(o.scale), o.zero_point, prof.input_quantize.value)
 
     def run(self, p: QuantizeParams, inputs):
