@@ -572,7 +572,7 @@ def test_add_arg_and_get_arg_match_the_reference_encoding(ref):
 
 # ---------------------------------------------------------------------------
 # The quantization parameters MACE's converter wrote (documented in
-# docs/dev/mace-format.md), reproduced from the range file and the ONNX weights.
+# docs/mace-format.md), reproduced from the range file and the ONNX weights.
 
 
 def _adjust_range(in_min: float, in_max: float, *, non_zero: bool):

@@ -1,6 +1,6 @@
 """The MACE model format: schema (mace.proto / mace_pb2), writer and reader.
 
-See docs/dev/mace-format.md for the conventions MACE's converter follows.
+See docs/mace-format.md for the conventions MACE's converter follows.
 """
 from maceq.quant.mace import mace_pb2
 from maceq.quant.mace.format import (

@@ -10,7 +10,7 @@ For each input i (in float32, one rounding per operation, as the C++ ``float`` l
   from zero, ``Saturate`` clamps to [0, 255].
 The axis indexes the tensor as stored (NHWC for 4-D activations).
 
-Assumption (see docs/dev/semantics-cpu-ops.md): ``x * scale + offset`` and
+Assumption (see docs/semantics.md): ``x * scale + offset`` and
 ``-in_zp * scale + out_zp`` are compiled as a separate multiply and add, not a fused
 multiply-add (clang before 14 and GCC with ``-ffp-contract=off`` do so; the NEON Quantize
 evidence in docs/oracle-notes shows MACE's ARM build did not fuse ``vmlaq_f32``).

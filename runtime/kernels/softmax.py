@@ -33,7 +33,7 @@ reaches 512 (clz <= 3) makes MACE call RoundingDivideByPOT with an exponent abov
 
 ``expf`` is the C library's (glibc here). MACE on Android calls bionic's; glibc >= 2.27 and
 bionic since Android 9 both use ARM's optimized-routines expf, but an older bionic (FreeBSD
-msun) could differ in the last ulp. See docs/dev/semantics-cpu-ops.md.
+msun) could differ in the last ulp. See docs/semantics.md.
 """
 from __future__ import annotations
 
