@@ -324,17 +324,7 @@ class MaceBuilder:
     # -- whole graph ---------------------------------------------------------------
     def build(self, *, input_formats: dict[str, str]) -> BuiltModel:
         g = self.g
-        consumers = g.consumers()
-        for node in g.nodes:
-            if node.op_type in self.VIEW_OPS:
-                cons = consumers.get(node.outputs[0], [])
-                if cons and all(c.op_type in ("Gemm", "MatMul") for c in cons) and node.outputs[0] not in g.outputs:
-                    self.view_src[node.outputs[0]] = node.inputs[0]
-                    continue
-                raise MaceqError(f"node '{node.name}' ({node.op_type}): MACE has no uint8 {node.op_type}; "
-                                 "only a Flatten/Reshape feeding a Gemm/MatMul (folded into FullyConnected) is supported")
-            if node.op_type not in self.EMITTERS:
-                raise MaceqError(f"node '{node.name}': unsupported op type '{node.op_type}' for the cpu device")
+        self.view_src = check_supported(g)
         # inputs: a Quantize op each
         for vi in g.inputs:
             qname = INPUT_PREFIX + vi.name
@@ -419,6 +409,27 @@ class MaceBuilder:
         multi.input_tensor.extend(vi.name for vi in g.inputs)
         multi.output_tensor.extend(g.outputs)
         return BuiltModel(multi, self.arrays, dict(self.used_ranges), self.op_sources)
+
+
+def check_supported(g: Graph) -> dict[str, str]:
+    """Raise MaceqError naming the first node the cpu writer cannot emit; return the folded views.
+
+    Flatten/Reshape/Squeeze are supported only when they feed a Gemm/MatMul (folded into
+    FullyConnected, as MACE's converter does: MACE has no uint8 Reshape).
+    """
+    consumers = g.consumers()
+    views = {}
+    for node in g.nodes:
+        if node.op_type in MaceBuilder.VIEW_OPS:
+            cons = consumers.get(node.outputs[0], [])
+            if cons and all(c.op_type in ("Gemm", "MatMul") for c in cons) and node.outputs[0] not in g.outputs:
+                views[node.outputs[0]] = node.inputs[0]
+                continue
+            raise MaceqError(f"node '{node.name}' ({node.op_type}): MACE has no uint8 {node.op_type}; "
+                             "only a Flatten/Reshape feeding a Gemm/MatMul (folded into FullyConnected) is supported")
+        if node.op_type not in MaceBuilder.EMITTERS:
+            raise MaceqError(f"node '{node.name}': unsupported op type '{node.op_type}' for the cpu device")
+    return views
 
 
 def build_mace_model(graph: Graph, ranges: dict[str, tuple[float, float]], shapes: dict[str, tuple[int, ...]],

@@ -15,7 +15,7 @@ from maceq.calibrate.runner import collect
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import Preprocess
 from maceq.errors import MaceqError
-from maceq.quant.build import build_mace_model
+from maceq.quant.build import build_mace_model, check_supported
 from maceq.quant.config import QuantConfig
 from maceq.quant.ir import Graph
 from maceq.quant.mace.format import write_model
@@ -67,6 +67,7 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     onnx_path = Path(onnx_path)
     name = model_name or onnx_path.stem
     opt, in_shapes, shapes = prepare_graph(onnx_path, input_shape=input_shape)
+    check_supported(opt)  # fail before the (long) calibration
     if len(opt.inputs) != 1:
         raise MaceqError(f"{onnx_path}: {len(opt.inputs)} inputs; image calibration supports one-input models")
     in_name = opt.inputs[0].name
