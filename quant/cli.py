@@ -90,7 +90,12 @@ def _preprocess_from(args, recorded: dict | None):
     return (base or Preprocess()).with_overrides(**over) if over else (base or Preprocess())
 
 
+def _format_warning(message, category, filename, lineno, line=None):
+    return f"warning: {message}\n"
+
+
 def _run_cli(fn, argv):
+    warnings.formatwarning = _format_warning
     try:
         return fn(argv)
     except MaceqError as e:
