@@ -18,7 +18,7 @@ from maceq.runtime import ops_shape as _ops_shape  # noqa: F401
 from maceq.runtime.graph import RtOp, parse_ops
 from maceq.runtime.profiles import DeviceProfile, get_profile
 from maceq.runtime.qtypes import QInfo
-from maceq.runtime.registry import lookup
+from maceq.runtime.registry import DType, lookup
 
 
 @dataclass
@@ -87,10 +87,13 @@ class Model:
         return dims
 
     def _kernel(self, op: RtOp, profile: DeviceProfile):
-        key = (profile.device, op.type)
+        dtype = DType.from_mace(op.arg("T"))
+        if op.type in ("Quantize", "Dequantize"):
+            dtype = DType.UINT8  # their T is the quantized side
+        key = (profile.device, op.type, dtype)
         k = self._kernels.get(key)
         if k is None:
-            k = self._kernels[key] = lookup(op.type, profile.device, op_name=op.name)()
+            k = self._kernels[key] = lookup(op.type, profile.device, dtype=dtype, op_name=op.name)()
         return k
 
     def _prepare(self, idx: int, op: RtOp, kernel, in_q: tuple, profile: DeviceProfile):

@@ -6,7 +6,7 @@ from maceq.errors import MaceqError
 from maceq.quant.config import config_from_dict, load_config
 from maceq.runtime import ops  # noqa: F401  (registers the kernels)
 from maceq.runtime.profiles import CPU, Device, Requant, get_profile
-from maceq.runtime.registry import _REGISTRY, kernel_table, lookup, register
+from maceq.runtime.registry import _REGISTRY, DType, kernel_table, lookup, register
 
 
 def test_duplicate_registration_raises():
@@ -21,12 +21,13 @@ def test_device_table_is_default_plus_overrides():
     class DspSoftmax:
         pass
 
+    u8 = DType.UINT8
     try:
-        assert kernel_table(Device.DSP)["Softmax"] is DspSoftmax
-        assert kernel_table(Device.CPU)["Softmax"] is ops.Softmax
-        assert kernel_table(Device.DSP)["Conv2D"] is ops.Conv2D  # inherited from the default table
+        assert kernel_table(Device.DSP)[("Softmax", u8)] is DspSoftmax
+        assert kernel_table(Device.CPU)[("Softmax", u8)] is ops.Softmax
+        assert kernel_table(Device.DSP)[("Conv2D", u8)] is ops.Conv2D  # inherited from the default table
     finally:
-        del _REGISTRY[("Softmax", Device.DSP)]
+        del _REGISTRY[("Softmax", u8, Device.DSP)]
     with pytest.raises(MaceqError, match="op 'x'.*'Nope'"):
         lookup("Nope", Device.CPU, op_name="x")
 
