@@ -87,3 +87,28 @@ def test_bad_models_fail_clearly(tmp_path):
     with pytest.raises(MaceqError, match="--input-shape"):
         fix_input_shapes(import_onnx(dyn), None)
     assert fix_input_shapes(import_onnx(dyn), [1, 3, 16, 16]) == {"x": [1, 3, 16, 16]}
+
+
+def test_constant_arithmetic_and_lone_batchnorm_become_depthwise_convs():
+    rng = np.random.default_rng(2)
+    inits = {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+             "s": rng.uniform(0.5, 2, (4, 1, 1)).astype(np.float32),
+             "c": np.array(3.0, np.float32), "six": np.array(6.0, np.float32),
+             "g": rng.uniform(0.5, 2, 4).astype(np.float32), "be": rng.standard_normal(4).astype(np.float32),
+             "m": rng.standard_normal(4).astype(np.float32), "v": rng.uniform(0.5, 2, 4).astype(np.float32),
+             "zero": np.array(0.0, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c0"], pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["c0", "s"], ["m0"]),            # folds into the conv weights
+             helper.make_node("Relu", ["m0"], ["r0"]),
+             helper.make_node("BatchNormalization", ["r0", "g", "be", "m", "v"], ["bn"]),  # lone BN
+             helper.make_node("Add", ["bn", "c"], ["a0"]),            # HardSwish: x * clip(x + 3, 0, 6) / 6
+             helper.make_node("Clip", ["a0", "zero", "six"], ["cl"]),
+             helper.make_node("Mul", ["bn", "cl"], ["hs"]),
+             helper.make_node("Div", ["hs", "six"], ["y"])]
+    model = _tiny(nodes, inits, in_shape=("N", 3, 8, 8))
+    g = import_onnx(model)
+    opt = optimize(g, fix_input_shapes(g, None))
+    assert [n.op_type for n in opt.nodes] == ["Conv", "Conv", "Conv", "Mul", "Conv"]
+    assert [n.attrs.get("group", 1) for n in opt.nodes if n.op_type == "Conv"] == [1, 4, 4, 4]
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(_run(opt.to_onnx(), x), _run(model, x), rtol=1e-5, atol=1e-5)
