@@ -46,6 +46,10 @@ Presets (see :data:`PRESETS`):
   ``raw * (1/128) + (-127/128)``; both constants are powers of two over 128, so
   every result ``(raw - 127)/128`` is exact in float32. Resize 256, crop 224.
 * ``fmnist``: grey 28x28, ``(raw/255 - 0.2860) / 0.3530``, NCHW.
+* ``ppocr_det``: PaddleOCR DB text detector: BGR, ImageNet mean/std on raw/255,
+  resized to 640x640 (sides must be multiples of 32; override with ``--resize``).
+* ``ppocr_cls``: PaddleOCR text-orientation classifier: BGR, resized to 48x192,
+  ``(raw/255 - 0.5) / 0.5``.
 """
 from __future__ import annotations
 
@@ -368,6 +372,14 @@ PRESETS: dict[str, Preprocess] = {
     "fmnist": Preprocess(
         color=ColorOrder.GRAY, layout=Layout.NCHW, resize=(28, 28),
         scale=1.0 / 255.0, mean=(0.2860,), std=(0.3530,),
+    ),
+    "ppocr_det": Preprocess(
+        color=ColorOrder.BGR, layout=Layout.NCHW, resize=(640, 640),
+        scale=1.0 / 255.0, mean=_IMAGENET_MEAN, std=_IMAGENET_STD,
+    ),
+    "ppocr_cls": Preprocess(
+        color=ColorOrder.BGR, layout=Layout.NCHW, resize=(48, 192),
+        scale=1.0 / 255.0, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
     ),
 }
 

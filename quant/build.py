@@ -21,6 +21,10 @@ import numpy as np
 from maceq.errors import MaceqError
 from maceq.quant.ir import ACT_ATTR, Graph, Node
 from maceq.quant.mace import mace_pb2
+try:  # TEMPORARY while the float emitters land: see quant/mace/float_ops.py
+    from maceq.quant.mace.float_ops import FLOAT_EMITTABLE, emit_float_node
+except ImportError:  # pragma: no cover
+    FLOAT_EMITTABLE, emit_float_node = frozenset(), None
 from maceq.quant.scheme import AffineParams, adjust_range, quantize_bias, quantize_weights
 
 DT_FLOAT, DT_UINT8, DT_INT32 = mace_pb2.DT_FLOAT, mace_pb2.DT_UINT8, mace_pb2.DT_INT32
@@ -88,6 +92,93 @@ class MaceBuilder:
         self.view_src: dict[str, str] = {}  # Flatten/Reshape output -> its input (folded into FC)
         self.op_sources: dict[str, str] = {}
         self.used_ranges: dict[str, tuple[float, float]] = {}
+        self.float_name: dict[str, str] = {}  # IR tensor -> MACE name of its float32 version
+        self.placement: dict[str, str] = {}
+
+    # -- precision boundaries ------------------------------------------------------
+    def _input_quantize(self, vi):
+        qname = INPUT_PREFIX + vi.name
+        op = self.net.op.add()
+        op.input.append(vi.name)
+        op.output.append(qname)
+        op.name = qname
+        op.type = "Quantize"
+        _arg(op, "T", DT_UINT8)
+        _arg(op, "data_format", DF_NHWC)
+        _arg(op, "find_range_every_time", 1)
+        op.output_shape.add().dims.extend(_nhwc(self.shapes[vi.name]))
+        p = self._range_q(vi.name)
+        self._qinfo_msg(op, p)
+        self.qinfo[qname] = p
+        self.rename[vi.name] = qname
+        self.op_sources[qname] = vi.name
+
+    def _as_uint8(self, tensor: str) -> str:
+        """The MACE name of ``tensor``'s uint8 version, inserting a Quantize op after a float producer."""
+        if tensor in self.rename:
+            return self.rename[tensor]
+        src = self.float_name.get(tensor)
+        if src is None:
+            raise MaceqError(f"tensor '{tensor}' is used before it is produced")
+        qname = tensor + "__quant"
+        op = self.net.op.add()
+        op.input.append(src)
+        op.output.append(qname)
+        op.name = qname
+        op.type = "Quantize"
+        _arg(op, "T", DT_UINT8)
+        _arg(op, "data_format", DF_AUTO)
+        _arg(op, "find_range_every_time", 0)
+        op.output_shape.add().dims.extend(_nhwc(self.shapes[tensor]))
+        p = self._range_q(tensor)
+        self._qinfo_msg(op, p)
+        self.qinfo[qname] = p
+        self.rename[tensor] = qname
+        self.op_sources[qname] = tensor
+        return qname
+
+    def _dequantize(self, tensor: str, src: str, *, out_name: str, op_name: str) -> str:
+        prod = next(op for op in self.net.op if src in op.output)
+        op = self.net.op.add()
+        op.input.append(src)
+        op.output.append(out_name)
+        op.name = op_name
+        op.type = "Dequantize"
+        _arg(op, "T", DT_UINT8)
+        _arg(op, "data_format", DF_NHWC if len(self.shapes[tensor]) == 4 else DF_NONE)
+        op.output_shape.add().dims.extend(list(prod.output_shape[0].dims))
+        op.output_type.append(DT_FLOAT)
+        self.op_sources[op_name] = tensor
+        return out_name
+
+    def _as_float(self, tensor: str) -> str:
+        """The MACE name of ``tensor``'s float32 version, inserting a Dequantize op after a uint8 producer."""
+        if tensor in self.float_name:
+            return self.float_name[tensor]
+        src = self.rename.get(tensor)
+        if src is None:
+            raise MaceqError(f"tensor '{tensor}' is used before it is produced")
+        name = self._dequantize(tensor, src, out_name=tensor + "__dequant", op_name=tensor + "__dequant")
+        self.float_name[tensor] = name
+        return name
+
+    def _emit_float(self, node: Node) -> None:
+        """A float32 MACE op (T=DT_FLOAT) for ``node``; its operands are dequantized as needed."""
+        ins = []
+        for i in node.inputs:
+            if not i or self.g.is_const(i):
+                continue
+            ins.append(self._as_float(i))
+        out = node.outputs[0]
+        emission = emit_float_node(node, graph=self.g, shapes=self.shapes, inputs=ins, output=out,
+                                   op_name=node.name)
+        for op in emission.ops:
+            self.net.op.add().CopyFrom(op)
+            self.op_sources[op.name] = node.name
+        for tensor, arr in emission.tensors:
+            self.net.tensors.add().CopyFrom(tensor)
+            self.arrays[tensor.name] = arr
+        self.float_name[out] = out
 
     # -- helpers -----------------------------------------------------------
     def _range_q(self, tensor: str) -> AffineParams:
@@ -322,57 +413,40 @@ class MaceBuilder:
     VIEW_OPS = ("Flatten", "Reshape", "Squeeze")
 
     # -- whole graph ---------------------------------------------------------------
-    def build(self, *, input_formats: dict[str, str]) -> BuiltModel:
+    def build(self, *, input_formats: dict[str, str], strict: bool = False) -> BuiltModel:
         g = self.g
-        self.view_src = check_supported(g)
-        # inputs: a Quantize op each
+        self.view_src, self.placement = place_nodes(g, strict=strict)
+        consumers = g.consumers()
         for vi in g.inputs:
-            qname = INPUT_PREFIX + vi.name
-            op = self.net.op.add()
-            op.input.append(vi.name)
-            op.output.append(qname)
-            op.name = qname
-            op.type = "Quantize"
-            _arg(op, "T", DT_UINT8)
-            _arg(op, "data_format", DF_NHWC)
-            _arg(op, "find_range_every_time", 1)
-            shape = self.shapes[vi.name]
-            op.output_shape.add().dims.extend(_nhwc(shape))
-            p = self._range_q(vi.name)
-            self._qinfo_msg(op, p)
-            self.qinfo[qname] = p
-            self.rename[vi.name] = qname
-            self.op_sources[qname] = vi.name
+            self.float_name[vi.name] = vi.name
+            if any(self.placement.get(c.name) == UINT8 for c in consumers.get(vi.name, [])):
+                self._input_quantize(vi)
         outputs = set(g.outputs)
         for node in g.nodes:
-            if node.op_type in self.VIEW_OPS:
-                continue
+            if node.name not in self.placement:
+                continue  # a view folded into FullyConnected
             out = node.outputs[0]
-            if len(node.outputs) != 1:
+            if len(node.outputs) != 1 and self.placement[node.name] == UINT8:
                 raise MaceqError(f"node '{node.name}' ({node.op_type}): {len(node.outputs)} outputs are not supported")
             is_out = out in outputs
-            out_name = OUTPUT_PREFIX + out if is_out else out
-            op_name = OUTPUT_PREFIX + node.name if is_out else node.name
-            self.EMITTERS[node.op_type](self, node, out_name, op_name)
-            if is_out:
+            if self.placement[node.name] == UINT8:
+                for i in node.inputs:
+                    t = self.view_src.get(i, i)
+                    if t and not g.is_const(t):
+                        self._as_uint8(t)
+                out_name = OUTPUT_PREFIX + out if is_out else out
+                op_name = OUTPUT_PREFIX + node.name if is_out else node.name
+                self.EMITTERS[node.op_type](self, node, out_name, op_name)
                 self.rename[out] = out_name
-        # outputs: a Dequantize op each
+            else:
+                self._emit_float(node)
         for out in g.outputs:
+            if out in self.float_name and out not in self.rename:
+                continue  # produced in float: already named as the output
             src = self.rename.get(out)
             if src is None:
-                raise MaceqError(f"graph output '{out}' is not produced by a quantized op")
-            prod = next(op for op in self.net.op if src in op.output)
-            op = self.net.op.add()
-            op.input.append(src)
-            op.output.append(out)
-            op.name = out
-            op.type = "Dequantize"
-            _arg(op, "T", DT_UINT8)
-            shape = list(prod.output_shape[0].dims)
-            _arg(op, "data_format", DF_NHWC if len(self.shapes[out]) == 4 else DF_NONE)
-            op.output_shape.add().dims.extend(shape)
-            op.output_type.append(DT_FLOAT)
-            self.op_sources[out] = out
+                raise MaceqError(f"graph output '{out}' is not produced by any emitted op")
+            self._dequantize(out, src, out_name=out, op_name=out)
         # MACE's converter keeps the source model's initializer order for the weights.
         order = {name: k for k, name in enumerate(self.g.initializers)}
         tensors = sorted(self.net.tensors, key=lambda t: order.get(t.name, len(order)))
@@ -392,8 +466,9 @@ class MaceBuilder:
             info.dims.extend(_nhwc(self.shapes[vi.name]))
             info.data_type = DT_FLOAT
             info.data_format = DF_NHWC
-            p = self.qinfo[INPUT_PREFIX + vi.name]
-            info.scale, info.zero_point = p.scale, p.zero_point
+            if INPUT_PREFIX + vi.name in self.qinfo:
+                p = self.qinfo[INPUT_PREFIX + vi.name]
+                info.scale, info.zero_point = p.scale, p.zero_point
             info.alias = vi.name
         for out in g.outputs:
             info = self.net.output_info.add()
@@ -401,8 +476,9 @@ class MaceBuilder:
             info.dims.extend(_nhwc(self.shapes[out]))
             info.data_type = DT_FLOAT
             info.data_format = DF_NHWC if len(self.shapes[out]) == 4 else DF_NONE
-            p = self.qinfo[self.rename[out]]
-            info.scale, info.zero_point = p.scale, p.zero_point
+            if out in self.rename:
+                p = self.qinfo[self.rename[out]]
+                info.scale, info.zero_point = p.scale, p.zero_point
             info.alias = out
         multi = mace_pb2.MultiNetDef()
         multi.net_def.append(self.net)
@@ -411,27 +487,53 @@ class MaceBuilder:
         return BuiltModel(multi, self.arrays, dict(self.used_ranges), self.op_sources)
 
 
-def check_supported(g: Graph) -> dict[str, str]:
-    """Raise MaceqError naming the first node the cpu writer cannot emit; return the folded views.
+UINT8, FLOAT = "uint8", "float32"
 
-    Flatten/Reshape/Squeeze are supported only when they feed a Gemm/MatMul (folded into
-    FullyConnected, as MACE's converter does: MACE has no uint8 Reshape).
+
+def uint8_capable(g: Graph, node: Node) -> bool:
+    """Whether MACE's CPU runtime has a uint8 kernel for this node as the writer would emit it."""
+    if node.op_type not in MaceBuilder.EMITTERS:
+        return False
+    if node.op_type in ("Add", "Sub") and any(g.is_const(i) for i in node.inputs):
+        return False
+    return True
+
+
+def place_nodes(g: Graph, *, strict: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    """Decide where each node runs: ``uint8`` (a MACE uint8 kernel) or ``float32`` (float fallback).
+
+    Returns (views folded into FullyConnected: output -> input, placement by node name).
+    A node with no uint8 kernel falls back to a float32 op with Dequantize/Quantize around it;
+    with ``strict`` that is an error naming the node. A node neither path supports is an error.
     """
     consumers = g.consumers()
-    views = {}
+    views, placement = {}, {}
     for node in g.nodes:
         if node.op_type in MaceBuilder.VIEW_OPS:
             cons = consumers.get(node.outputs[0], [])
-            if cons and all(c.op_type in ("Gemm", "MatMul") for c in cons) and node.outputs[0] not in g.outputs:
+            if (cons and all(c.op_type in ("Gemm", "MatMul") and uint8_capable(g, c) for c in cons)
+                    and node.outputs[0] not in g.outputs):
                 views[node.outputs[0]] = node.inputs[0]
                 continue
-            raise MaceqError(f"node '{node.name}' ({node.op_type}): MACE has no uint8 {node.op_type}; "
-                             "only a Flatten/Reshape feeding a Gemm/MatMul (folded into FullyConnected) is supported")
-        if node.op_type not in MaceBuilder.EMITTERS:
+        if uint8_capable(g, node):
+            placement[node.name] = UINT8
+            continue
+        if node.op_type not in FLOAT_EMITTABLE:
             raise MaceqError(f"node '{node.name}': unsupported op type '{node.op_type}' for the cpu device")
-    return views
+        if strict:
+            raise MaceqError(f"node '{node.name}' ({node.op_type}): no uint8 kernel on the cpu device; "
+                             "it would fall back to float32 (refused by --strict)")
+        placement[node.name] = FLOAT
+    return views, placement
+
+
+def check_supported(g: Graph, *, strict: bool = False) -> dict[str, str]:
+    """Raise MaceqError naming the first node the cpu writer cannot emit; return the placement."""
+    return place_nodes(g, strict=strict)[1]
 
 
 def build_mace_model(graph: Graph, ranges: dict[str, tuple[float, float]], shapes: dict[str, tuple[int, ...]],
-                     *, model_name: str, input_formats: dict[str, str] | None = None) -> BuiltModel:
-    return MaceBuilder(graph, ranges, dict(shapes), model_name=model_name).build(input_formats=input_formats or {})
+                     *, model_name: str, input_formats: dict[str, str] | None = None,
+                     strict: bool = False) -> BuiltModel:
+    return MaceBuilder(graph, ranges, dict(shapes), model_name=model_name).build(
+        input_formats=input_formats or {}, strict=strict)

@@ -129,6 +129,8 @@ def _quantize(argv) -> int:
     p.add_argument("--eval-dir", help="after quantizing, evaluate float vs int8 on this image folder")
     p.add_argument("--labels", help="labels CSV (file,label) for --eval-dir")
     p.add_argument("--name", help="model name for the output files (default: the ONNX file's stem)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail instead of running ops without a uint8 kernel in float32 (float fallback)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     _add_preprocess_args(p)
     args = p.parse_args(argv)
@@ -155,12 +157,17 @@ def _quantize(argv) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if args.quiet else "default")
         res = quantize(args.model, args.calib_dir, output_dir=out, preprocess=pre, config=config,
-                       input_shape=input_shape, model_name=name, progress=not args.quiet, extra_meta=extra_meta)
+                       input_shape=input_shape, model_name=name, progress=not args.quiet, extra_meta=extra_meta,
+                       strict=args.strict)
     f = res.files
     print(f"quantized {args.model} for the cpu device on {res.n_calib_images} calibration images"
           + (f" ({res.n_skipped} unreadable, skipped)" if res.n_skipped else ""))
     for label, path in (("graph", f.pb), ("weights", f.data), ("deployment", f.yml), ("ranges", f.ranges)):
         print(f"  {label:<10} {path}")
+    fallback = [n for n, where in res.placement.items() if where != "uint8"]
+    if fallback:
+        print(f"{len(fallback)} of {len(res.placement)} ops run in float32 (no uint8 kernel on the cpu device): "
+              + ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8 else ""))
     if args.eval_dir:
         model = load(f.yml)
         classes = extra_meta.get("classes")
@@ -240,7 +247,7 @@ def _cmd_run(args) -> int:
 
 def _cmd_eval(args) -> int:
     from maceq.datasets.images import ImageFolder
-    from maceq.reports.evaluate import evaluate
+    from maceq.reports.evaluate import evaluate, evaluate_segmentation
     from maceq.runtime.model import load
 
     model = load(args.qmodel)
@@ -249,8 +256,13 @@ def _cmd_eval(args) -> int:
     float_model = args.float_model or meta.get("source_model")
     if not float_model:
         raise MaceqError(f"{args.qmodel}: no source model recorded; pass --float-model")
-    data = ImageFolder(args.images, pre, labels=args.labels or "auto", classes=meta.get("classes"))
-    result = evaluate(model, float_model, data, device=args.device, progress=not args.quiet)
+    if args.task == "segmentation":
+        data = ImageFolder(args.images, pre, labels=None)
+        result = evaluate_segmentation(model, float_model, data, device=args.device, threshold=args.threshold,
+                                       progress=not args.quiet)
+    else:
+        data = ImageFolder(args.images, pre, labels=args.labels or "auto", classes=meta.get("classes"))
+        result = evaluate(model, float_model, data, device=args.device, progress=not args.quiet)
     for line in result.lines():
         print(line)
     if args.json:
@@ -272,13 +284,18 @@ def _cmd_inspect(args) -> int:
                                    for i in net.input_info))
     print(f"outputs: " + ", ".join(f"{o.name} {list(o.dims)} scale={o.scale:.6g} zp={o.zero_point}"
                                    for o in net.output_info))
-    print(f"{'#':>3}  {'op type':<16} {'name':<44} {'output shape':<18} {'scale':>11} {'zp':>4}  weights")
+    n_float = sum(1 for op in model.ops if op.arg("T") == 1)
+    n_conv = sum(1 for op in model.ops if op.type in ("Quantize", "Dequantize"))
+    print(f"precision: {len(model.ops) - n_float - n_conv} uint8 ops, {n_float} float32 ops (float fallback), "
+          f"{n_conv} Quantize/Dequantize boundaries")
+    print(f"{'#':>3}  {'op type':<16} {'prec':<5} {'name':<44} {'output shape':<18} {'scale':>11} {'zp':>4}  weights")
     for k, op in enumerate(model.ops):
         q = op.out_qinfo[0] if op.out_qinfo else None
         w = [f"{i}({sizes[i]}B, s={model.const_qinfo[i].scale:.3g}, zp={model.const_qinfo[i].zero_point})"
              for i in op.inputs if i in sizes]
         shape = "x".join(map(str, op.output_shapes[0])) if op.output_shapes else "?"
-        print(f"{k:>3}  {op.type:<16} {op.name[:44]:<44} {shape:<18} "
+        prec = "fp32" if op.arg("T") == 1 else "uint8"
+        print(f"{k:>3}  {op.type:<16} {prec:<5} {op.name[:44]:<44} {shape:<18} "
               f"{(f'{q.scale:.5g}' if q else '-'):>11} {(q.zero_point if q else '-'):>4}  {' '.join(w)}")
     return 0
 
@@ -299,6 +316,11 @@ def _maceq(argv) -> int:
     e.add_argument("--device", default="cpu")
     e.add_argument("--float-model", help="float ONNX model (default: the one recorded at quantization)")
     e.add_argument("--json", help="also write the metrics to this JSON file")
+    e.add_argument("--task", choices=["classification", "segmentation"], default="classification",
+                   help="classification: top-1/top-5 agreement and accuracy; segmentation: output SQNR and "
+                        "IoU of thresholded masks")
+    e.add_argument("--threshold", type=float, default=0.3,
+                   help="mask threshold for --task segmentation (default 0.3, PaddleOCR DB's)")
     e.add_argument("-q", "--quiet", action="store_true")
     _add_preprocess_args(e)
     i = sub.add_parser("inspect", help="print the quantized graph: ops, tensors, scales, sizes")

@@ -29,6 +29,7 @@ VIEW_OPS = ("Flatten", "Reshape", "Squeeze")
 class QuantizeResult:
     files: object  # maceq.quant.mace.format.ModelFiles
     graph: Graph
+    placement: dict  # IR node name -> "uint8" | "float32"
     n_calib_images: int
     n_skipped: int
     model_name: str
@@ -51,9 +52,19 @@ def _sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def prepare_graph(onnx_path: str | os.PathLike, *, input_shape: list[int] | None):
+def _is_dynamic(dims) -> bool:
+    return any(not (isinstance(d, int) and d > 0) for d in dims[1:])
+
+
+def prepare_graph(onnx_path: str | os.PathLike, *, input_shape: list[int] | None,
+                  preprocess: Preprocess | None = None):
+    """Import and optimise; dynamic spatial input dims come from ``input_shape``, else from the
+    preprocessing's fixed output size (e.g. ``--resize 640,640``)."""
     model = load_onnx(onnx_path)
     graph = import_onnx(model, source=os.fspath(onnx_path))
+    if (input_shape is None and preprocess is not None and len(graph.inputs) == 1
+            and _is_dynamic(graph.inputs[0].shape) and preprocess.output_shape() is not None):
+        input_shape = [1, *preprocess.output_shape()]
     in_shapes = fix_input_shapes(graph, input_shape)
     opt = optimize(graph, in_shapes)
     shapes = opt.infer_shapes(in_shapes)
@@ -62,12 +73,13 @@ def prepare_graph(onnx_path: str | os.PathLike, *, input_shape: list[int] | None
 
 def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, output_dir: str | os.PathLike,
              preprocess: Preprocess, config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None,
-             model_name: str | None = None, progress: bool = True, extra_meta: dict | None = None) -> QuantizeResult:
+             model_name: str | None = None, progress: bool = True, extra_meta: dict | None = None,
+             strict: bool = False) -> QuantizeResult:
     """Quantize ``onnx_path`` for the cpu device, calibrating on the images in ``calib_dir``."""
     onnx_path = Path(onnx_path)
     name = model_name or onnx_path.stem
-    opt, in_shapes, shapes = prepare_graph(onnx_path, input_shape=input_shape)
-    check_supported(opt)  # fail before the (long) calibration
+    opt, in_shapes, shapes = prepare_graph(onnx_path, input_shape=input_shape, preprocess=preprocess)
+    placement = check_supported(opt, strict=strict)  # fail before the (long) calibration
     if len(opt.inputs) != 1:
         raise MaceqError(f"{onnx_path}: {len(opt.inputs)} inputs; image calibration supports one-input models")
     in_name = opt.inputs[0].name
@@ -84,7 +96,7 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     for t in names:
         method, pct = config.method_for(t)
         ranges[t] = compute_range(stats[t], method, percentile=pct)
-    built = build_mace_model(opt, ranges, shapes, model_name=name)
+    built = build_mace_model(opt, ranges, shapes, model_name=name, strict=strict)
     n_images = len(data) - data.skipped
     meta = {
         "source_model": str(onnx_path.resolve()),
@@ -99,6 +111,7 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
                             for ov in config.layers},
         "calibration_images": n_images,
         "input_shape": list(want),
+        "float_fallback": sorted(n for n, where in placement.items() if where != "uint8"),
     }
     meta.update(extra_meta or {})
     out_shape = {o: list(shapes[o]) for o in opt.outputs}
@@ -119,4 +132,4 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     files = write_model(out_dir, name, built.multi_net_def, built.arrays,
                         deployment={"platform": "onnx", "runtime": "cpu", "subgraphs": [subgraph]},
                         ranges=built.ranges, maceq=meta)
-    return QuantizeResult(files, opt, n_images, data.skipped, name)
+    return QuantizeResult(files, opt, placement, n_images, data.skipped, name)

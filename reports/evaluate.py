@@ -44,6 +44,70 @@ class EvalResult:
         return out
 
 
+@dataclass
+class SegEvalResult:
+    """Dense-output comparison: SQNR of the int8 map against float, and IoU of the thresholded masks."""
+
+    device: str
+    images: int
+    skipped: int
+    threshold: float
+    sqnr_db: float          # over all pixels of all images: 10 log10(sum f^2 / sum (f - q)^2)
+    mean_iou: float         # per-image IoU of (f > t) and (q > t), averaged
+    global_iou: float       # total intersection / total union over all images
+    min_iou: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        return [f"device {self.device}: {self.images} images ({self.skipped} skipped), segmentation",
+                f"  output SQNR float vs int8:      {self.sqnr_db:6.2f} dB",
+                f"  mask IoU at threshold {self.threshold:g}:     mean {self.mean_iou:.4f}, "
+                f"global {self.global_iou:.4f}, worst {self.min_iou:.4f}"]
+
+
+def sqnr_db(signal_power: float, noise_power: float) -> float:
+    """10 log10(signal / noise); +inf for a perfect match."""
+    if noise_power == 0.0:
+        return float("inf")
+    if signal_power == 0.0:
+        return float("-inf")
+    return float(10.0 * np.log10(signal_power / noise_power))
+
+
+def evaluate_segmentation(model: Model, float_model: str | os.PathLike, data: ImageFolder, *,
+                          device: str = "cpu", threshold: float = 0.3, progress: bool = True) -> SegEvalResult:
+    sess = float_session(float_model)
+    in_name, out_name = model.input_names[0], model.output_names[0]
+    f_in = sess.get_inputs()[0].name
+    names = [o.name for o in sess.get_outputs()]
+    f_out = names.index(out_name) if out_name in names else 0
+    sig = noise = 0.0
+    inter_total = union_total = 0
+    ious = []
+    bar = tqdm(total=len(data), desc=f"eval {device}", unit="img", disable=not progress or not sys.stderr.isatty(),
+               leave=False)
+    for batch in data.iter_batches(1):
+        f = sess.run(None, {f_in: batch.data})[f_out].astype(np.float64)
+        q = model.run({in_name: batch.data}, device=device)[out_name].astype(np.float64)
+        if f.shape != q.shape:
+            raise MaceqError(f"{batch.paths[0]}: float output shape {f.shape} != int8 output shape {q.shape}")
+        sig += float(np.sum(f * f))
+        noise += float(np.sum((f - q) ** 2))
+        fm, qm = f > threshold, q > threshold
+        inter, union = int(np.count_nonzero(fm & qm)), int(np.count_nonzero(fm | qm))
+        inter_total += inter
+        union_total += union
+        ious.append(1.0 if union == 0 else inter / union)
+        bar.update(1)
+    bar.close()
+    if not ious:
+        raise MaceqError(f"{data.root}: no readable image to evaluate")
+    return SegEvalResult(device, len(ious), data.skipped, threshold, sqnr_db(sig, noise), float(np.mean(ious)),
+                         1.0 if union_total == 0 else inter_total / union_total, float(np.min(ious)))
+
+
 def float_session(path: str | os.PathLike) -> ort.InferenceSession:
     if not os.path.isfile(path):
         raise MaceqError(f"{path}: float model not found (pass --float-model)")
