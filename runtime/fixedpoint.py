@@ -41,6 +41,7 @@ __all__ = [
     "saturating_rounding_doubling_high_mul",
     "rounding_divide_by_pot",
     "multiply_by_quantized_multiplier",
+    "requant_floor_terms",
 ]
 
 
@@ -260,3 +261,38 @@ def multiply_by_quantized_multiplier(x, quantized_multiplier, shift):
         xx = wrap_int32(xx << left)  # |x| < 2^31, left <= 31: < 2^62, fits int64
     r = rounding_divide_by_pot(saturating_rounding_doubling_high_mul(xx, qq), right)
     return _out(np.asarray(r, dtype=np.int64), sx and sq and ssh)
+
+
+def requant_floor_terms(quantized_multiplier: int, shift: int, out_zp: int = 0) -> tuple[int, int, int | None]:
+    """Contract: (k, c0, theta) with, for every int32 ``x``,
+    ``MultiplyByQuantizedMultiplier(x, q, shift) + out_zp == floor((x*q + c0 - 2^31*[x < theta]) / 2^k)``
+    (``[x < theta]`` is 0 when theta is None). Python ints in and out. Requires 0 <= q <= INT32_MAX and
+    -31 <= shift <= 0 (every MACE multiplier); raises MaceqError otherwise.
+
+    It turns the double rounding of gemmlowp/TFLite into one floor of an affine function of x, which the
+    fast kernels evaluate exactly in float64 (runtime/kernels/conv.py). Derivation, with e = -shift:
+
+    - SRDHM(x, q) = s = floor((x*q + 2^30) / 2^31) (contract of
+      :func:`saturating_rounding_doubling_high_mul`; its one saturating case needs q = INT32_MIN).
+    - e = 0: RoundingDivideByPOT is the identity, so the result is floor((x*q + 2^30 + zp*2^31) / 2^31):
+      k = 31, c0 = 2^30 + zp*2^31, theta None.
+    - e >= 1: gemmlowp RoundingDivideByPOT(s, e) = (s >> e) + (rem > (2^(e-1) - 1) + n) with
+      rem = s mod 2^e and n = [s < 0]. Writing h = 2^(e-1), ``rem > h - 1 + n`` is
+      ``rem + h - n >= 2^e`` and 0 <= rem + h - n < 2^(e+1), so the result is floor((s + h - n) / 2^e).
+      Since floor((floor(a / 2^31) + m) / 2^e) == floor((a + m*2^31) / 2^(31+e)) for integers a, m
+      (nested floors with integer offsets and positive integer divisors), the result plus zp is
+      floor((x*q + 2^30 + h*2^31 - n*2^31 + zp*2^k) / 2^k) with k = 31 + e.
+    - n = [x*q + 2^30 < 0]. For q > 0 and integer x: x*q < -2^30 <=> x < -2^30/q <=> x < ceil(-2^30/q)
+      = -floor(2^30/q) = theta (0 for q > 2^30, -1 for q = 2^30). For q = 0, s = 0 and n = 0 (theta None).
+    Hence c0 = 2^30 + h*2^31 + zp*2^k. The test tests/test_fast_paths.py checks the identity against
+    :func:`multiply_by_quantized_multiplier` on int32 edges, exact ties and random values.
+    """
+    q, e, zp = int(quantized_multiplier), -int(shift), int(out_zp)
+    if not (0 <= q <= INT32_MAX) or not (0 <= e <= 31):
+        raise MaceqError(f"requant_floor_terms: needs 0 <= q <= INT32_MAX and -31 <= shift <= 0, got {q}, {shift}")
+    k = 31 + e
+    if e == 0:
+        return k, (1 << 30) + zp * (1 << 31), None
+    c0 = (1 << 30) + (1 << (e - 1)) * (1 << 31) + zp * (1 << k)
+    theta = None if q == 0 else -((1 << 30) // q)
+    return k, c0, theta

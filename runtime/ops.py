@@ -90,6 +90,27 @@ class ConvParams:
 
 
 class _ConvBase:
+    def __init__(self):
+        # Weight-derived data (the kernel plans of runtime/kernels/conv.py: offset and folded
+        # float64 weights), built once at prepare time. Keyed by (weight tensor name, params);
+        # a kernel instance serves one model on one device (Model._kernels), so that is the
+        # device too. An entry is used only for the very same params and weight array objects.
+        self._plans: dict = {}
+
+    def _plan(self, p: ConvParams, w: np.ndarray):
+        key = (p.weights, id(p))
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is p and hit[1] is w:
+            return hit[2]
+        if len(self._plans) > 4096:
+            self._plans.clear()
+        plan = self._make_plan(p, w)
+        self._plans[key] = (p, w, plan)
+        return plan
+
+    def _make_plan(self, p: ConvParams, w: np.ndarray):
+        raise NotImplementedError
+
     def requant_rule(self, op: RtOp, prof) -> Requant:
         return prof.conv_requant
 
@@ -118,10 +139,14 @@ class _ConvBase:
         act_min, act_max = 0, 255
         if prof.honours_activation_args:
             raise MaceqError(f"op '{op.name}': activation args are not implemented for this profile")
-        return ConvParams(xq.zero_point, wq.zero_point, out_q.zero_point, mult, shift, mbits, requant.value,
-                          tuple(op.arg("strides", [1, 1])), _pads(op), tuple(op.arg("dilations", [1, 1])),
-                          int(op.arg("group", 1)), act_min, act_max, op.inputs[1], bias,
-                          _f32_bits(out_q.scale))
+        params = ConvParams(xq.zero_point, wq.zero_point, out_q.zero_point, mult, shift, mbits, requant.value,
+                            tuple(op.arg("strides", [1, 1])), _pads(op), tuple(op.arg("dilations", [1, 1])),
+                            int(op.arg("group", 1)), act_min, act_max, op.inputs[1], bias,
+                            _f32_bits(out_q.scale))
+        w = ctx.consts.get(op.inputs[1])
+        if w is not None:
+            self._plan(params, w)
+        return params
 
     @staticmethod
     def _bias(p: ConvParams):
@@ -130,11 +155,13 @@ class _ConvBase:
 
 @register("Conv2D")
 class Conv2D(_ConvBase):
+    def _make_plan(self, p: ConvParams, w):
+        return k_conv.conv2d_plan(w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
+                                  multiplier=p.multiplier, shift=p.shift, strides=p.strides, pads=p.pads,
+                                  dilations=p.dilations, group=p.group, act_min=p.act_min, act_max=p.act_max)
+
     def run(self, p: ConvParams, inputs):
-        x, w = inputs[0].values, inputs[1].values
-        y = k_conv.conv2d(x, w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp, multiplier=p.multiplier,
-                          shift=p.shift, strides=p.strides, pads=p.pads, dilations=p.dilations, group=p.group,
-                          act_min=p.act_min, act_max=p.act_max)
+        y = self._plan(p, inputs[1].values)(inputs[0].values)
         return [_out_tensor(y, p.out_q)]
 
 
@@ -145,16 +172,18 @@ class DepthwiseConv2d(_ConvBase):
             return prof.dilated_depthwise_requant
         return prof.depthwise_requant
 
-    def run(self, p: ConvParams, inputs):
-        x, w = inputs[0].values, inputs[1].values
+    def _make_plan(self, p: ConvParams, w):
         if p.requant == Requant.GEMMLOWP.value:
             fixed = dict(multiplier=p.multiplier, shift=p.shift)
         else:
             fixed = dict(float_multiplier=_bits_f32(p.multiplier_f32_bits),
                          float_rounding=_FLOAT_ROUNDING[Requant(p.requant)])
-        y = k_conv.depthwise_conv2d(x, w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
-                                    strides=p.strides, pads=p.pads, dilations=p.dilations, act_min=p.act_min,
-                                    act_max=p.act_max, **fixed)
+        return k_conv.depthwise_conv2d_plan(w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
+                                            strides=p.strides, pads=p.pads, dilations=p.dilations,
+                                            act_min=p.act_min, act_max=p.act_max, **fixed)
+
+    def run(self, p: ConvParams, inputs):
+        y = self._plan(p, inputs[1].values)(inputs[0].values)
         return [_out_tensor(y, p.out_q)]
 
 
@@ -166,21 +195,24 @@ class FullyConnected(_ConvBase):
     def rescales_bias(self, prof) -> bool:
         return prof.fc_rescales_bias
 
+    def _make_plan(self, p: ConvParams, w):
+        w2 = w.reshape(w.shape[0], -1)
+        if p.requant != Requant.GEMMLOWP.value:
+            return k_conv.fully_connected_plan(w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
+                                               multiplier=_bits_f32(p.multiplier_f32_bits), act_min=p.act_min,
+                                               act_max=p.act_max, rounding=_FLOAT_ROUNDING[Requant(p.requant)])
+        return k_conv.fully_connected_fixed_plan(w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
+                                                 multiplier=p.multiplier, shift=p.shift, act_min=p.act_min,
+                                                 act_max=p.act_max)
+
     def run(self, p: ConvParams, inputs):
         x, w = inputs[0].values, inputs[1].values
         n = x.shape[0]
         x2 = x.reshape(n, -1)
-        w2 = w.reshape(w.shape[0], -1)
-        if x2.shape[1] != w2.shape[1]:
-            raise MaceqError(f"FullyConnected '{p.weights}': input has {x2.shape[1]} features, weights {w2.shape[1]}")
-        if p.requant != Requant.GEMMLOWP.value:
-            y = k_conv.fully_connected(x2, w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
-                                       multiplier=_bits_f32(p.multiplier_f32_bits), act_min=p.act_min,
-                                       act_max=p.act_max, rounding=_FLOAT_ROUNDING[Requant(p.requant)])
-        else:
-            y = k_conv.fully_connected_fixed(x2, w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
-                                             multiplier=p.multiplier, shift=p.shift, act_min=p.act_min,
-                                             act_max=p.act_max)
+        k = int(np.prod(w.shape[1:]))
+        if x2.shape[1] != k:
+            raise MaceqError(f"FullyConnected '{p.weights}': input has {x2.shape[1]} features, weights {k}")
+        y = self._plan(p, w)(x2)
         return [_out_tensor(y.reshape(n, 1, 1, -1), p.out_q)]
 
 

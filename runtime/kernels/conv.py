@@ -31,6 +31,7 @@ Requantization (see docs/dev/semantics-cpu-conv.md):
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -42,6 +43,7 @@ from maceq.runtime.fixedpoint import (
     INT32_MAX,
     INT32_MIN,
     multiply_by_quantized_multiplier,
+    requant_floor_terms,
     round_half_away,
     wrap_int32,
 )
@@ -53,13 +55,21 @@ __all__ = [
     "tflite_same_pads",
     "requantize_fixed",
     "requantize_float",
+    "Conv2dPlan",
+    "DepthwiseConv2dPlan",
+    "FullyConnectedPlan",
+    "FullyConnectedFixedPlan",
     "conv2d",
+    "conv2d_plan",
     "conv2d_ref",
     "depthwise_conv2d",
+    "depthwise_conv2d_plan",
     "depthwise_conv2d_ref",
     "fully_connected",
+    "fully_connected_plan",
     "fully_connected_ref",
     "fully_connected_fixed",
+    "fully_connected_fixed_plan",
     "fully_connected_fixed_ref",
 ]
 
@@ -340,22 +350,35 @@ def _conv_setup(x, w, group, strides, pads, dilations):
     return x, w, _geometry(x, kh, kw, strides, pads, dilations, "conv2d")
 
 
-def _dw_setup(x, w, bias, *, w_zp, multiplier, shift, float_multiplier, strides, pads, dilations,
-              act_min, act_max, out_dtype):
-    """Checked (x, w, geometry, output params) of a depthwise conv."""
-    x = _check_x(x, "depthwise_conv2d")
+def _dw_filter(w) -> np.ndarray:
     w = np.asarray(w)
     if w.ndim != 4 or not np.issubdtype(w.dtype, np.integer):
         raise MaceqError(
             f"depthwise_conv2d: filter must be an integer [KH, KW, C, M] array, got {w.dtype} {w.shape}")
+    return w
+
+
+def _dw_channels(w: np.ndarray, x: np.ndarray) -> None:
     if w.shape[2] != x.shape[3]:
         raise MaceqError(
             f"depthwise_conv2d: filter {w.shape} [KH, KW, C, M] does not match {x.shape[3]} input channels")
+
+
+def _dw_requant_args(multiplier, shift, float_multiplier) -> None:
     if float_multiplier is None:
         if multiplier is None or shift is None:
             raise MaceqError("depthwise_conv2d: give (multiplier, shift) or float_multiplier")
     elif multiplier is not None or shift is not None:
         raise MaceqError("depthwise_conv2d: give either (multiplier, shift) or float_multiplier, not both")
+
+
+def _dw_setup(x, w, bias, *, w_zp, multiplier, shift, float_multiplier, strides, pads, dilations,
+              act_min, act_max, out_dtype):
+    """Checked (x, w, geometry, output params) of a depthwise conv."""
+    x = _check_x(x, "depthwise_conv2d")
+    w = _dw_filter(w)
+    _dw_channels(w, x)
+    _dw_requant_args(multiplier, shift, float_multiplier)
     kh, kw, c, mult = w.shape
     g = _geometry(x, kh, kw, strides, pads, dilations, "depthwise_conv2d")
     p = _out_params(c * mult, "depthwise_conv2d", w_zp=w_zp, bias=bias, multiplier=multiplier,
@@ -433,21 +456,14 @@ def _int_acc(f64: np.ndarray) -> np.ndarray:
     return np.rint(f64).astype(np.int64)
 
 
-def conv2d(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, shift, strides=(1, 1),
-           pads=(0, 0, 0, 0), dilations=(1, 1), group=1, act_min=None, act_max=None,
-           out_dtype=np.uint8):
-    """Integer Conv2D, NHWC input, OHWI filter (``w[O, KH, KW, C // group]``); fast path.
+def _conv2d_generic(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, shift, strides=(1, 1),
+                    pads=(0, 0, 0, 0), dilations=(1, 1), group=1, act_min=None, act_max=None,
+                    out_dtype=np.uint8):
+    """:func:`conv2d`'s general path (same contract): every input dtype, bias and multiplier.
 
-    ``acc = sum((x - x_zp) * (w - w_zp)) + bias`` (int32, wrapping), then
-    ``clamp(MultiplyByQuantizedMultiplier(acc, multiplier, shift) + out_zp,
-    act_min, act_max)``. ``multiplier``, ``shift`` and ``w_zp`` are scalars or
-    per-output-channel vectors; ``pads`` is (top, left, bottom, right) filled
-    with ``x_zp``; act_min/act_max default to the range of ``out_dtype``.
-    MACE's uint8 Conv2D (mace/ops/conv_2d.cc: im2col + gemmlowp) is the case
-    group=1, dilation 1, act range [0, 255], (multiplier, shift) from
-    :func:`maceq.runtime.fixedpoint.mace_output_multiplier`.
-    Implementation: im2col of the offset input in float64 and one BLAS matmul
-    per group (exact, see module docstring), vectorised requantization.
+    Im2col of the offset input in float64 and one BLAS matmul per group (exact,
+    see module docstring), int64 accumulators wrapped like C, vectorised
+    gemmlowp requantization.
     """
     x, w, g = _conv_setup(x, w, group, strides, pads, dilations)
     o = w.shape[0]
@@ -509,21 +525,11 @@ def depthwise_conv2d_ref(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier=None
     return out
 
 
-def depthwise_conv2d(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier=None, shift=None,
-                     float_multiplier=None, float_rounding=FloatRequant.ROUND_THEN_ADD_ZP,
-                     strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), act_min=None,
-                     act_max=None, out_dtype=np.uint8):
-    """Integer DepthwiseConv2d, NHWC input, filter ``w[KH, KW, C, M]``, output channel c*M + m; fast path.
-
-    Accumulation as :func:`conv2d` over the taps of one input channel.
-    Requantization: with ``(multiplier, shift)``, gemmlowp fixed point as in
-    :func:`conv2d` (MACE dilation 1: vendored tflite::optimized_ops::DepthwiseConv;
-    TFLite reference); with ``float_multiplier`` (np.float32), the float rule
-    ``float_rounding`` (MACE DepthwiseConv2dGeneral, used by
-    mace/ops/depthwise_conv2d.cc when a dilation is > 1, is
-    FloatRequant.ROUND_THEN_ADD_ZP with M = float32(s_in * s_w / s_out)).
-    Vectorised over pixels and channels; one int64 multiply-add per kernel tap.
-    """
+def _depthwise_conv2d_generic(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier=None, shift=None,
+                              float_multiplier=None, float_rounding=FloatRequant.ROUND_THEN_ADD_ZP,
+                              strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), act_min=None,
+                              act_max=None, out_dtype=np.uint8):
+    """:func:`depthwise_conv2d`'s general path (same contract): int64 multiply-adds per kernel tap."""
     x, w, g, p = _dw_setup(x, w, bias, w_zp=w_zp, multiplier=multiplier, shift=shift,
                            float_multiplier=float_multiplier, strides=strides, pads=pads,
                            dilations=dilations, act_min=act_min, act_max=act_max, out_dtype=out_dtype)
@@ -550,13 +556,6 @@ def depthwise_conv2d(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier=None, sh
 # FullyConnected
 
 
-def _fc_acc(x, w, x_zp, p: _OutParams) -> np.ndarray:
-    """int32 (wrapped) accumulators [N, O] via one exact float64 matmul."""
-    xf = x.astype(np.float64) - float(x_zp)
-    wf = w.astype(np.float64) - p.w_zp.astype(np.float64)[:, None]
-    return wrap_int32(_int_acc(xf @ wf.T) + p.bias)
-
-
 def _fc_acc_ref(x, w, x_zp, p: _OutParams, i: int, j: int) -> int:
     acc = 0
     for k in range(x.shape[1]):
@@ -579,25 +578,6 @@ def fully_connected_ref(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, act_
     return out
 
 
-def fully_connected(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, act_min=0, act_max=255,
-                    rounding=FloatRequant.ADD_ZP_THEN_ROUND):
-    """Integer FullyConnected ``x[N, K] @ w[O, K]^T`` with MACE Gemv's float32 requantization; uint8 out.
-
-    mace/ops/arm/q8/gemv.cc: the int32 accumulator (computed there in uint32
-    pieces, equal modulo 2^32) plus the raw int32 bias (Gemv does not rescale
-    the bias), then ``rounding`` with ``multiplier`` = np.float32
-    M = float32(s_w * s_in / s_out) (:func:`maceq.runtime.fixedpoint.mace_float_multiplier`;
-    MACE also checks 0 < M < 1 via GetOutputMultiplierAndShift).
-    The weight is MACE's [O, H, W, C] flattened to [O, K] (NHWC flatten order).
-    """
-    x, w = _fc_setup(x, w, "fully_connected")
-    p = _out_params(w.shape[0], "fully_connected", w_zp=w_zp, bias=bias, multiplier=None, shift=None,
-                    act_min=act_min, act_max=act_max, out_dtype=np.uint8)
-    acc = _fc_acc(x, w, x_zp, p)
-    return requantize_float(acc, multiplier=np.float32(multiplier), out_zp=out_zp, rounding=rounding,
-                            act_min=p.lo, act_max=p.hi).astype(np.uint8)
-
-
 def fully_connected_fixed_ref(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, shift,
                               act_min=None, act_max=None, out_dtype=np.uint8):
     """Reference FullyConnected with gemmlowp requantization; see :func:`fully_connected_fixed`."""
@@ -611,11 +591,520 @@ def fully_connected_fixed_ref(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier
     return out
 
 
+# ----------------------------------------------------------------------------
+# Fast paths: plans and exact float64 requantization
+#
+# ``conv2d(x, w, ...)`` is ``conv2d_plan(w, ...)(x)``: a plan holds what a kernel
+# derives from its weights (offset and folded weight matrices, requantization
+# terms), so the runtime (runtime/ops.py keeps one plan per op) converts no
+# weights while running a model. Every fast path equals its ``*_ref`` kernel bit
+# for bit (tests/test_fast_paths.py). Notation: acc = G + bias with
+# G = sum_j (x_j - x_zp)(w_j - w_zp); X = max |x - x_zp| over the input dtype;
+# L1 = sum_j |w_j - w_zp| per output channel, so every partial sum of G, in any
+# order, is an integer of magnitude <= X*L1. The arguments:
+#
+# 1. One floor. With (k, c0, theta) = requant_floor_terms(q, shift, out_zp)
+#    (runtime/fixedpoint.py), MultiplyByQuantizedMultiplier(acc, q, shift) + out_zp
+#    == floor((acc*q + c0 - 2^31*[acc < theta]) / 2^k) for every int32 acc
+#    (0 <= q <= INT32_MAX, -31 <= shift <= 0). Let y = (acc*q + c0)*2^-k and
+#    off = bias*q + c0; the plans require |off| + 2^31 <= 2^53.
+# 2. Folded GEMM (Conv2D with a short reduction). The plan stores, per output
+#    channel, the float64 column [(w_j - w_zp)*q*2^-k ..., off*2^-k]; one BLAS
+#    dgemm of the rows [(x_j - x_zp) ..., 1] against it gives y. Every product
+#    and every partial sum, in whatever order BLAS adds (with or without FMA), is
+#    an integer multiple of 2^-k of magnitude at most (X*L1*q + |off|)*2^-k. The
+#    plan requires X*L1*q + |off| + 2^31 <= 2^53 ("bound B"): then every such value
+#    is a float64, so every operation is exact (scalings by 2^-k, k <= 62, are exact).
+# 3. G first (Conv2D with a long reduction, DepthwiseConv2d, FullyConnected).
+#    G is computed exactly: BLAS sgemm, or float32 multiply-adds over the kernel
+#    taps, while X*L1 < 2^24 (every partial sum is then a float32 integer);
+#    float64 up to 2^53. Then y = G*(q*2^-k) + off*2^-k in float64. Under bound B
+#    both operations are exact. Without it, they are still exact for
+#    |G| <= g = floor((2^53 - 2^31 - |off|) / q), and, being correctly rounded,
+#    monotone in G everywhere; the plan then requires ("saturation") that the exact
+#    y at G = -g is < act_min - 1 and at G = g is >= act_max + 1. Outside [-g, g]
+#    the computed y is thus already beyond the clamp on the correct side (and stays
+#    there through the correction of 4, which moves y by at most 1/2), and so is the
+#    true output, which is monotone in acc.
+# 4. The correction. Where acc < theta, y -= 2^31*2^-k (exact where y is; bound B
+#    reserves the 2^31); acc < theta <=> y < y_theta = (theta*q + c0)*2^-k, since
+#    the exact y is strictly increasing in acc for q > 0 (q = 0 has no theta). It
+#    only moves outputs with acc < theta, i.e. SRDHM(acc, q) < 0, whose value is
+#    floor(y) <= out_zp (the numerator acc*q + 2^30 is then negative), so it is
+#    skipped when out_zp <= act_min: the clamp sends both candidates to act_min
+#    (every ReLU/ReLU6 output with zero point 0).
+# 5. Floor and clamp. clip(y, lo, hi), then the cast to the output type truncates
+#    toward zero, which is floor for y >= 0, and floor(clip(y, lo, hi)) ==
+#    clip(floor(y), lo, hi) for integers lo, hi. With lo < 0 (int8) an explicit
+#    floor comes first.
+# 6. No int32 wrap. The plans require X*L1 + |bias| <= INT32_MAX, so acc is the
+#    int32 value the C kernels compute.
+# Outside these bounds (inputs wider than 16 bits, huge biases or shifts, left
+# shifts, negative multipliers) the generic int64 paths above run instead.
+
+_F64_INT = 1 << 53  # float64 holds every integer of magnitude <= 2^53
+_F32_INT = 1 << 24  # float32 holds every integer of magnitude <= 2^24
+_BLOCK_BYTES = 1 << 20  # float64 bytes of GEMM output per block, so a block stays in cache
+_LOOP_MIN = 512  # per-channel vectors are tiled to at least this many elements (long numpy inner loops)
+_SGEMM_MIN_K = 48  # from this reduction length, sgemm + two float64 passes beat the folded dgemm
+
+
+def _x_bound(dtype, x_zp: int) -> int | None:
+    """max |x - x_zp| over an integer dtype of at most 16 bits; None for wider types (no static bound)."""
+    info = np.iinfo(dtype)
+    if info.bits > 16:
+        return None
+    return max(int(x_zp) - int(info.min), int(info.max) - int(x_zp))
+
+
+def _min(a, b):
+    return b if a is None else min(a, b)
+
+
+def _le(x, limit) -> bool:
+    """x <= limit, where a limit of None means unbounded."""
+    return limit is None or x <= limit
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """Per-channel float64 vectors repeated ``reps`` times (see _ExactRequant.tiles)."""
+
+    scale: np.ndarray
+    offset: np.ndarray
+    y_theta: np.ndarray
+    step: np.ndarray
+
+
+class _ExactRequant:
+    """Float64 terms of ``clamp(MBQM(acc, q, shift) + out_zp, lo, hi)`` per output channel (arguments 1-6).
+
+    ``ok``: every channel is in requant_floor_terms' domain with |off| + 2^31 <= 2^53;
+    ``x_exact``/``x_wrap``: the largest X for bound B / for argument 6 (None: unbounded);
+    ``saturates``: argument 3's saturation holds for every channel.
+    """
+
+    def __init__(self, p: _OutParams, out_zp: int, l1: np.ndarray):
+        o = len(p.bias)
+        self.lo, self.hi = lo, hi = p.lo, p.hi
+        self.scale, self.offset, self.step = np.zeros(o), np.zeros(o), np.zeros(o)
+        self.y_theta = np.full(o, -np.inf)
+        self.ok, self.saturates = True, True
+        self.x_exact = self.x_wrap = None
+        self._tiles: dict = {}
+        zp = int(out_zp)
+        for c in range(o):
+            q, sh, b, n1 = int(p.q[c]), int(p.shift[c]), int(p.bias[c]), int(l1[c])
+            if not (0 <= q <= INT32_MAX and -31 <= sh <= 0):
+                self.ok = False
+                return
+            k, c0, theta = requant_floor_terms(q, sh, zp)
+            off = b * q + c0
+            room = _F64_INT - (1 << 31) - abs(off)  # what bound B leaves for |G*q|
+            if room < 0 or abs(c0) + (1 << 30) + q > _F64_INT:  # y_theta's numerator too
+                self.ok = False
+                return
+            if n1:
+                self.x_wrap = _min(self.x_wrap, (INT32_MAX - abs(b)) // n1)
+                if q:
+                    self.x_exact = _min(self.x_exact, room // (q * n1))
+            if q:
+                g = room // q
+                if not (-g * q + off < (lo - 1) << k and g * q + off >= (hi + 1) << k):
+                    self.saturates = False
+            self.scale[c] = math.ldexp(q, -k)  # exact: q < 2^31 times a power of two
+            self.offset[c] = math.ldexp(off, -k)  # exact: |off| < 2^53
+            self.step[c] = math.ldexp(1, 31 - k)
+            if theta is not None and zp > lo:
+                self.y_theta[c] = math.ldexp(theta * q + c0, -k)
+        self.correct = bool(np.isfinite(self.y_theta).any())
+
+    def folded_ok(self, x: int | None) -> bool:
+        """Argument 2 (bound B) and 6 hold for input bound x."""
+        return self.ok and x is not None and _le(x, self.x_exact) and _le(x, self.x_wrap)
+
+    def g_ok(self, x: int | None) -> bool:
+        """Argument 3 (bound B or saturation) and 6 hold for input bound x."""
+        return (self.ok and x is not None and _le(x, self.x_wrap)
+                and (_le(x, self.x_exact) or self.saturates))
+
+    def tiles(self, reps: int, sl: slice = slice(None)) -> _Tiles:
+        """The vectors (channels ``sl``) repeated ``reps`` times: an op on a (rows, reps*n) view of a
+        (rows*reps, n) block then runs one long inner loop per row instead of one per n elements."""
+        key = (reps, sl.start, sl.stop)
+        t = self._tiles.get(key)
+        if t is None:
+            t = self._tiles[key] = _Tiles(*(np.tile(v[sl], reps) for v in
+                                            (self.scale, self.offset, self.y_theta, self.step)))
+        return t
+
+    def finish(self, y: np.ndarray, t: _Tiles, rows: np.ndarray, dst: np.ndarray) -> None:
+        """y (float64, overwritten) = (acc*q + c0)*2^-k laid out like ``t``; ``rows``: the view of y's
+        buffer shaped like ``dst``, which receives the clamped codes (arguments 4 and 5)."""
+        if self.correct:
+            y -= np.less(y, t.y_theta) * t.step
+        if self.lo < 0:
+            np.floor(y, out=y)
+        np.clip(y, self.lo, self.hi, out=y)
+        dst[...] = rows  # truncation toward zero == floor here (argument 5)
+
+    def from_g(self, g: np.ndarray, t: _Tiles, y: np.ndarray) -> None:
+        """y = G*(q*2^-k) + off*2^-k (argument 3)."""
+        np.multiply(g, t.scale, out=y)
+        np.add(y, t.offset, out=y)
+
+
+def _centered(x: np.ndarray, x_zp: int, g: _Geometry, dtype) -> np.ndarray:
+    """(x - x_zp) in ``dtype`` with zero padding (== padding x with x_zp first); exact, |x - x_zp| <= 2^16."""
+    if not (g.top or g.bottom or g.left or g.right):
+        return np.subtract(x, x_zp, dtype=dtype)
+    xp = np.zeros((g.n, g.h + g.top + g.bottom, g.w + g.left + g.right, g.c), dtype)
+    np.subtract(x, x_zp, out=xp[:, g.top:g.top + g.h, g.left:g.left + g.w, :], dtype=dtype)
+    return xp
+
+
+def _reps(n: int) -> int:
+    return max(1, -(-_LOOP_MIN // max(n, 1)))
+
+
+class Conv2dPlan:
+    """:func:`conv2d` with its weights prepared once: ``conv2d_plan(w, ...)(x) == conv2d(x, w, ...)``.
+
+    Per input dtype it picks the folded dgemm (argument 2) for reductions shorter than
+    _SGEMM_MIN_K, else G by sgemm/dgemm then the float64 requantization (argument 3),
+    else the generic int64 path.
+    """
+
+    def __init__(self, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, shift, strides=(1, 1),
+                 pads=(0, 0, 0, 0), dilations=(1, 1), group=1, act_min=None, act_max=None,
+                 out_dtype=np.uint8):
+        w = np.asarray(w)
+        if w.ndim != 4 or not np.issubdtype(w.dtype, np.integer):
+            raise MaceqError(f"conv2d: filter must be an integer OHWI array, got {w.dtype} {w.shape}")
+        o = w.shape[0]
+        if group < 1 or o % group:
+            raise MaceqError(f"conv2d: filter {w.shape} (OHWI) and group {group} disagree")
+        self.w, self.bias = w, bias
+        self.kwargs = dict(x_zp=x_zp, w_zp=w_zp, out_zp=out_zp, multiplier=multiplier, shift=shift,
+                           strides=strides, pads=pads, dilations=dilations, group=group, act_min=act_min,
+                           act_max=act_max, out_dtype=out_dtype)
+        self.x_zp, self.group, self.out_dtype = int(x_zp), int(group), out_dtype
+        p = _out_params(o, "conv2d", w_zp=w_zp, bias=bias, multiplier=multiplier, shift=shift,
+                        act_min=act_min, act_max=act_max, out_dtype=out_dtype)
+        self.wo = w.reshape(o, -1).astype(np.int64) - p.w_zp[:, None]  # [O, KH*KW*C/group], window order
+        l1 = np.abs(self.wo).sum(axis=1)
+        self.l1_max = int(l1.max()) if l1.size else 0
+        self.rq = _ExactRequant(p, out_zp, l1)
+        self._modes: dict = {}
+        self._mode(np.dtype(np.uint8))  # the runtime's activations: build those matrices now
+
+    def _mode(self, dtype) -> tuple:
+        """(kind, per-group matrices, GEMM dtype) for inputs of ``dtype``; kind None: generic path."""
+        hit = self._modes.get(dtype)
+        if hit is not None:
+            return hit
+        xb = _x_bound(dtype, self.x_zp)
+        k = self.wo.shape[1]
+        g_dtype = None
+        if xb is not None and xb * self.l1_max < _F64_INT and self.rq.g_ok(xb):
+            g_dtype = np.float32 if xb * self.l1_max < _F32_INT else np.float64
+        folded = self.rq.folded_ok(xb)
+        og = self.wo.shape[0] // self.group
+        groups = [slice(i * og, (i + 1) * og) for i in range(self.group)]
+        if folded and (g_dtype is None or k < _SGEMM_MIN_K or g_dtype is np.float64):
+            mats = []
+            for sl in groups:
+                m = np.empty((k + 1, og))
+                m[:-1] = self.wo[sl].T * self.rq.scale[sl]  # exact: |w - w_zp|*q*2^-k (argument 2)
+                m[-1] = self.rq.offset[sl]
+                mats.append(m)
+            hit = ("folded", mats, np.float64)
+        elif g_dtype is not None:
+            hit = ("g", [np.ascontiguousarray(self.wo[sl].T, dtype=g_dtype) for sl in groups], g_dtype)
+        else:
+            hit = (None, None, None)
+        self._modes[dtype] = hit
+        return hit
+
+    def __call__(self, x) -> np.ndarray:
+        kw = self.kwargs
+        x, w, g = _conv_setup(x, self.w, self.group, kw["strides"], kw["pads"], kw["dilations"])
+        kind, mats, dt = self._mode(x.dtype)
+        if kind is None:
+            return _conv2d_generic(x, self.w, self.bias, **kw)
+        folded = kind == "folded"
+        o, group = w.shape[0], self.group
+        og, cg = o // group, g.c // group
+        k = g.kh * g.kw * cg
+        ka = k + 1 if folded else k  # the folded GEMM has the ones column
+        out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)
+        reps = _reps(og)
+        rows = max(reps, _BLOCK_BYTES // (8 * max(og, ka)) // reps * reps)
+        pointwise = (group == 1 and g.kh == g.kw == g.sh == g.sw == 1
+                     and not (g.top or g.left or g.bottom or g.right))
+        if pointwise:
+            n_rows = g.n * g.h * g.w
+        else:
+            rb = max(1, min(g.oh, rows // g.ow))
+            rows = rb * g.ow
+        rows_t = -(-min(rows, g.n * g.oh * g.ow) // reps) * reps  # whole tiles
+        a = np.empty((rows_t, ka), dt)
+        if folded:
+            a[:, k] = 1.0
+        y = np.zeros((rows_t, og))  # zeros: the rows past a short last block stay finite
+        gb = y if folded else np.zeros((rows_t, og), dt)
+        tiles = [self.rq.tiles(reps, slice(i * og, (i + 1) * og)) for i in range(group)]
+
+        def gemm_finish(m, grp, dst):
+            mt = -(-m // reps) * reps
+            np.matmul(a[:m], mats[grp], out=gb[:m])
+            yv = y[:mt].reshape(mt // reps, reps * og)
+            if not folded:
+                self.rq.from_g(gb[:mt].reshape(mt // reps, reps * og), tiles[grp], yv)
+            self.rq.finish(yv, tiles[grp], y[:m].reshape(dst.shape), dst)
+
+        if pointwise:  # 1x1 stride 1: the image rows are the GEMM rows, no im2col
+            src, dst = x.reshape(-1, g.c), out.reshape(-1, o)
+            for r0 in range(0, n_rows, rows_t):
+                m = min(rows_t, n_rows - r0)
+                np.subtract(src[r0:r0 + m], self.x_zp, out=a[:m, :k], dtype=dt)
+                gemm_finish(m, 0, dst[r0:r0 + m])
+            return out
+        win = _windows(_centered(x, self.x_zp, g, dt), g)  # [N, OH, OW, KH, KW, C]
+        s0, s1 = a.strides
+        for n in range(g.n):
+            for r0 in range(0, g.oh, rb):
+                nr = min(rb, g.oh - r0)
+                cols = as_strided(a, shape=(nr, g.ow, g.kh, g.kw, cg),
+                                  strides=(g.ow * s0, s0, g.kw * cg * s1, cg * s1, s1))
+                for grp in range(group):
+                    np.copyto(cols, win[n, r0:r0 + nr, :, :, :, grp * cg:(grp + 1) * cg])
+                    gemm_finish(nr * g.ow, grp, out[n, r0:r0 + nr, :, grp * og:(grp + 1) * og])
+        return out
+
+
+def conv2d_plan(w, bias=None, **kwargs) -> Conv2dPlan:
+    """A reusable :func:`conv2d` for fixed weights; same keyword arguments as :func:`conv2d`."""
+    return Conv2dPlan(w, bias, **kwargs)
+
+
+def conv2d(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, shift, strides=(1, 1),
+           pads=(0, 0, 0, 0), dilations=(1, 1), group=1, act_min=None, act_max=None,
+           out_dtype=np.uint8):
+    """Integer Conv2D, NHWC input, OHWI filter (``w[O, KH, KW, C // group]``); fast path.
+
+    ``acc = sum((x - x_zp) * (w - w_zp)) + bias`` (int32, wrapping), then
+    ``clamp(MultiplyByQuantizedMultiplier(acc, multiplier, shift) + out_zp,
+    act_min, act_max)``. ``multiplier``, ``shift`` and ``w_zp`` are scalars or
+    per-output-channel vectors; ``pads`` is (top, left, bottom, right) filled
+    with ``x_zp``; act_min/act_max default to the range of ``out_dtype``.
+    MACE's uint8 Conv2D (mace/ops/conv_2d.cc: im2col + gemmlowp) is the case
+    group=1, dilation 1, act range [0, 255], (multiplier, shift) from
+    :func:`maceq.runtime.fixedpoint.mace_output_multiplier`.
+    Implementation: :class:`Conv2dPlan` (BLAS GEMMs over cache-sized blocks with
+    an exact float64 requantization, see "Fast paths" above), else the generic
+    int64 path.
+    """
+    return Conv2dPlan(w, bias, x_zp=x_zp, w_zp=w_zp, out_zp=out_zp, multiplier=multiplier, shift=shift,
+                      strides=strides, pads=pads, dilations=dilations, group=group, act_min=act_min,
+                      act_max=act_max, out_dtype=out_dtype)(x)
+
+
+class DepthwiseConv2dPlan:
+    """:func:`depthwise_conv2d` with its weights prepared once (see :func:`depthwise_conv2d_plan`)."""
+
+    def __init__(self, w, bias=None, *, x_zp, w_zp, out_zp, multiplier=None, shift=None,
+                 float_multiplier=None, float_rounding=FloatRequant.ROUND_THEN_ADD_ZP, strides=(1, 1),
+                 pads=(0, 0, 0, 0), dilations=(1, 1), act_min=None, act_max=None, out_dtype=np.uint8):
+        w = _dw_filter(w)
+        _dw_requant_args(multiplier, shift, float_multiplier)
+        self.w, self.bias = w, bias
+        self.kwargs = dict(x_zp=x_zp, w_zp=w_zp, out_zp=out_zp, multiplier=multiplier, shift=shift,
+                           float_multiplier=float_multiplier, float_rounding=float_rounding, strides=strides,
+                           pads=pads, dilations=dilations, act_min=act_min, act_max=act_max,
+                           out_dtype=out_dtype)
+        self.x_zp, self.out_dtype = int(x_zp), out_dtype
+        kh, kw, c, mult = w.shape
+        self.p = p = _out_params(c * mult, "depthwise_conv2d", w_zp=w_zp, bias=bias, multiplier=multiplier,
+                                 shift=shift, act_min=act_min, act_max=act_max, out_dtype=out_dtype)
+        self.wo = w.astype(np.int64) - p.w_zp.reshape(c, mult)  # [KH, KW, C, M]
+        l1 = np.abs(self.wo).sum(axis=(0, 1)).reshape(-1)
+        self.l1_max = int(l1.max()) if l1.size else 0
+        self.rq = _ExactRequant(p, out_zp, l1) if float_multiplier is None else None
+        self._taps: dict = {}
+
+    def _tap_weights(self, ow: int, sw: int, dtype) -> list:
+        """Per-tap weights [KH][KW], broadcastable to the (rows, OW, C, M) accumulator.
+
+        With M == 1 and stride 1 they are tiled to (OW, C, 1), so each tap's multiply
+        runs as one long contiguous loop instead of OW loops of C elements.
+        """
+        key = (ow if sw == 1 and self.wo.shape[3] == 1 else 0, np.dtype(dtype).str)
+        taps = self._taps.get(key)
+        if taps is None:
+            wt = self.wo.astype(dtype)
+            if key[0]:
+                wt = np.ascontiguousarray(np.broadcast_to(wt[:, :, None], wt.shape[:2] + (ow,) + wt.shape[2:]))
+            taps = self._taps[key] = [[wt[fy, fx] for fx in range(wt.shape[1])] for fy in range(wt.shape[0])]
+        return taps
+
+    def __call__(self, x) -> np.ndarray:
+        kw_ = self.kwargs
+        x = _check_x(x, "depthwise_conv2d")
+        kh, kw, c, mult = self.w.shape
+        _dw_channels(self.w, x)
+        g = _geometry(x, kh, kw, kw_["strides"], kw_["pads"], kw_["dilations"], "depthwise_conv2d")
+        xb = _x_bound(x.dtype, self.x_zp)
+        fixed = self.rq is not None
+        if xb is None or xb * self.l1_max >= _F64_INT or (fixed and not self.rq.g_ok(xb)):
+            return _depthwise_conv2d_generic(x, self.w, self.bias, **kw_)
+        dtype = np.float32 if xb * self.l1_max < _F32_INT else np.float64  # argument 3
+        o = c * mult
+        xp = _centered(x, self.x_zp, g, dtype)
+        taps = self._tap_weights(g.ow, g.sw, dtype)
+        out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)
+        rb = max(1, min(g.oh, _BLOCK_BYTES // (8 * g.ow * o)))
+        acc = np.empty((rb, g.ow, c, mult), dtype)
+        tmp = np.empty_like(acc)
+        if fixed:
+            y = np.empty((rb, g.ow * o))
+            tiles = self.rq.tiles(g.ow)
+        for n in range(g.n):
+            for r0 in range(0, g.oh, rb):
+                nr = min(rb, g.oh - r0)
+                a, t = acc[:nr], tmp[:nr]
+                first = True
+                for fy in range(kh):
+                    y0 = r0 * g.sh + fy * g.dh
+                    src = xp[n, y0:y0 + (nr - 1) * g.sh + 1:g.sh, :, :, None]
+                    for fx in range(kw):
+                        x0 = fx * g.dw
+                        tap = src[:, x0:x0 + (g.ow - 1) * g.sw + 1:g.sw]
+                        if first:
+                            np.multiply(tap, taps[fy][fx], out=a)
+                            first = False
+                        else:
+                            np.multiply(tap, taps[fy][fx], out=t)
+                            np.add(a, t, out=a)
+                dst = out[n, r0:r0 + nr]
+                if fixed:
+                    yb = y[:nr]
+                    self.rq.from_g(a.reshape(nr, g.ow * o), tiles, yb)
+                    self.rq.finish(yb, tiles, yb.reshape(dst.shape), dst)
+                else:
+                    accb = wrap_int32(a.reshape(dst.shape).astype(np.int64) + self.p.bias)  # exact integers
+                    dst[...] = requantize_float(accb, multiplier=np.float32(kw_["float_multiplier"]),
+                                                out_zp=kw_["out_zp"], rounding=kw_["float_rounding"],
+                                                act_min=self.p.lo, act_max=self.p.hi)
+        return out
+
+
+def depthwise_conv2d_plan(w, bias=None, **kwargs) -> DepthwiseConv2dPlan:
+    """A reusable :func:`depthwise_conv2d` for fixed weights; same keyword arguments."""
+    return DepthwiseConv2dPlan(w, bias, **kwargs)
+
+
+def depthwise_conv2d(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier=None, shift=None,
+                     float_multiplier=None, float_rounding=FloatRequant.ROUND_THEN_ADD_ZP,
+                     strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), act_min=None,
+                     act_max=None, out_dtype=np.uint8):
+    """Integer DepthwiseConv2d, NHWC input, filter ``w[KH, KW, C, M]``, output channel c*M + m; fast path.
+
+    Accumulation as :func:`conv2d` over the taps of one input channel.
+    Requantization: with ``(multiplier, shift)``, gemmlowp fixed point as in
+    :func:`conv2d` (MACE dilation 1: vendored tflite::optimized_ops::DepthwiseConv;
+    TFLite reference); with ``float_multiplier`` (np.float32), the float rule
+    ``float_rounding`` (MACE DepthwiseConv2dGeneral, used by
+    mace/ops/depthwise_conv2d.cc when a dilation is > 1, is
+    FloatRequant.ROUND_THEN_ADD_ZP with M = float32(s_in * s_w / s_out)).
+    Implementation: :class:`DepthwiseConv2dPlan` (float32 multiply-adds per kernel
+    tap over cache-sized row blocks, exact float64 requantization: see "Fast
+    paths" above), else the generic int64 path.
+    """
+    return DepthwiseConv2dPlan(w, bias, x_zp=x_zp, w_zp=w_zp, out_zp=out_zp, multiplier=multiplier,
+                               shift=shift, float_multiplier=float_multiplier, float_rounding=float_rounding,
+                               strides=strides, pads=pads, dilations=dilations, act_min=act_min,
+                               act_max=act_max, out_dtype=out_dtype)(x)
+
+
+class FullyConnectedPlan:
+    """:func:`fully_connected` with its offset weights converted once.
+
+    G = x_c @ w_c^T is exact in float32 (sgemm) while X*L1 < 2^24, else in float64
+    while |sum| < 2^53 (module docstring); then the int32 wrap and the float requantization.
+    """
+
+    def __init__(self, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, act_min=0, act_max=255,
+                 rounding=FloatRequant.ADD_ZP_THEN_ROUND):
+        w = np.asarray(w)
+        if w.ndim != 2 or not np.issubdtype(w.dtype, np.integer):
+            raise MaceqError(f"fully_connected: w must be an integer [O, K] array, got {w.dtype} {w.shape}")
+        self.w = w
+        self.x_zp, self.out_zp, self.rounding = int(x_zp), int(out_zp), rounding
+        self.multiplier = np.float32(multiplier)
+        self.p = _out_params(w.shape[0], "fully_connected", w_zp=w_zp, bias=bias, multiplier=None, shift=None,
+                             act_min=act_min, act_max=act_max, out_dtype=np.uint8)
+        wo = w.astype(np.int64) - self.p.w_zp[:, None]
+        self.l1_max = int(np.abs(wo).sum(axis=1).max()) if wo.size else 0
+        self.wt = {np.float64: np.ascontiguousarray(wo.T, dtype=np.float64)}
+        if 255 * self.l1_max < _F32_INT:
+            self.wt[np.float32] = np.ascontiguousarray(wo.T, dtype=np.float32)
+
+    def __call__(self, x) -> np.ndarray:
+        x, _ = _fc_setup(x, self.w, "fully_connected")
+        xb = _x_bound(x.dtype, self.x_zp)
+        dt = np.float32 if xb is not None and xb * self.l1_max < _F32_INT and np.float32 in self.wt else np.float64
+        g = np.subtract(x, self.x_zp, dtype=dt) @ self.wt[dt]
+        acc = wrap_int32(_int_acc(g) + self.p.bias)
+        return requantize_float(acc, multiplier=self.multiplier, out_zp=self.out_zp, rounding=self.rounding,
+                                act_min=self.p.lo, act_max=self.p.hi).astype(np.uint8)
+
+
+def fully_connected_plan(w, bias=None, **kwargs) -> FullyConnectedPlan:
+    """A reusable :func:`fully_connected` for fixed weights; same keyword arguments."""
+    return FullyConnectedPlan(w, bias, **kwargs)
+
+
+def fully_connected(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, act_min=0, act_max=255,
+                    rounding=FloatRequant.ADD_ZP_THEN_ROUND):
+    """Integer FullyConnected ``x[N, K] @ w[O, K]^T`` with MACE Gemv's float32 requantization; uint8 out.
+
+    mace/ops/arm/q8/gemv.cc: the int32 accumulator (computed there in uint32
+    pieces, equal modulo 2^32) plus the raw int32 bias (Gemv does not rescale
+    the bias), then ``rounding`` with ``multiplier`` = np.float32
+    M = float32(s_w * s_in / s_out) (:func:`maceq.runtime.fixedpoint.mace_float_multiplier`;
+    MACE also checks 0 < M < 1 via GetOutputMultiplierAndShift).
+    The weight is MACE's [O, H, W, C] flattened to [O, K] (NHWC flatten order).
+    """
+    return FullyConnectedPlan(w, bias, x_zp=x_zp, w_zp=w_zp, out_zp=out_zp, multiplier=multiplier,
+                              act_min=act_min, act_max=act_max, rounding=rounding)(x)
+
+
+class FullyConnectedFixedPlan:
+    """:func:`fully_connected_fixed` with its weights prepared once: a 1x1 :class:`Conv2dPlan`."""
+
+    def __init__(self, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, shift, act_min=None, act_max=None,
+                 out_dtype=np.uint8):
+        w = np.asarray(w)
+        if w.ndim != 2 or not np.issubdtype(w.dtype, np.integer):
+            raise MaceqError(f"fully_connected_fixed: w must be an integer [O, K] array, got {w.dtype} {w.shape}")
+        self.w = w
+        self.conv = Conv2dPlan(w.reshape(w.shape[0], 1, 1, w.shape[1]), bias, x_zp=x_zp, w_zp=w_zp,
+                               out_zp=out_zp, multiplier=multiplier, shift=shift, act_min=act_min,
+                               act_max=act_max, out_dtype=out_dtype)
+
+    def __call__(self, x) -> np.ndarray:
+        x, w = _fc_setup(x, self.w, "fully_connected_fixed")
+        return self.conv(x.reshape(x.shape[0], 1, 1, x.shape[1])).reshape(x.shape[0], w.shape[0])
+
+
+def fully_connected_fixed_plan(w, bias=None, **kwargs) -> FullyConnectedFixedPlan:
+    """A reusable :func:`fully_connected_fixed` for fixed weights; same keyword arguments."""
+    return FullyConnectedFixedPlan(w, bias, **kwargs)
+
+
 def fully_connected_fixed(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier, shift,
                           act_min=None, act_max=None, out_dtype=np.uint8):
     """FullyConnected with gemmlowp requantization: exactly a 1x1 :func:`conv2d` on a 1x1 image."""
-    x, w = _fc_setup(x, w, "fully_connected_fixed")
-    p = _out_params(w.shape[0], "fully_connected_fixed", w_zp=w_zp, bias=bias, multiplier=multiplier,
-                    shift=shift, act_min=act_min, act_max=act_max, out_dtype=out_dtype)
-    return requantize_fixed(_fc_acc(x, w, x_zp, p), multiplier=p.q, shift=p.shift, out_zp=out_zp,
-                            act_min=p.lo, act_max=p.hi).astype(out_dtype)
+    return FullyConnectedFixedPlan(w, bias, x_zp=x_zp, w_zp=w_zp, out_zp=out_zp, multiplier=multiplier,
+                                   shift=shift, act_min=act_min, act_max=act_max, out_dtype=out_dtype)(x)
