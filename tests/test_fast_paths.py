@@ -261,6 +261,25 @@ def test_fully_connected_fast_equals_ref():
     assert dts[2] >= 10 and dts[1] >= 5, dts  # float32 (sgemm) and float64-only plans both ran
 
 
+# ----------------------------------------------------------------------------- Eltwise tables
+
+def test_eltwise_tables_equal_ref():
+    """From _LUT_MIN elements eltwise_add looks codes up in per-rule 256x256 tables: NEON body and scalar tail."""
+    rng = np.random.default_rng(6)
+    for i in range(8):
+        n = k_elt._LUT_MIN + int(rng.integers(0, 20))  # a tail of 0..7 elements
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        b = rng.integers(0, 256, n, dtype=np.uint8)
+        if i == 7:  # a per-channel b, broadcast over a's leading axis
+            a, b = rng.integers(0, 256, (n // 7 + 1, 7), dtype=np.uint8), rng.integers(0, 256, 7, dtype=np.uint8)
+        cfg = dict(a_scale=float(rng.uniform(0.01, 0.1)), a_zp=int(rng.integers(256)),
+                   b_scale=float(rng.uniform(0.01, 0.1)), b_zp=int(rng.integers(256)),
+                   out_scale=float(rng.uniform(0.005, 0.2)) if i % 4 else 1e-4, out_zp=int(rng.integers(256)),
+                   subtract=bool(i % 2), act_min=int(rng.integers(0, 30)), act_max=int(rng.integers(200, 256)))
+        assert a.size >= k_elt._LUT_MIN
+        assert np.array_equal(k_elt.eltwise_add(a, b, **cfg), k_elt.eltwise_add_ref(a, b, **cfg)), i
+
+
 # ----------------------------------------------------------------------------- a whole model
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ expanded to the full shape. The output has ``a``'s shape.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,6 +147,41 @@ def eltwise_add_ref(a, b, *, a_scale: float, a_zp: int, b_scale: float, b_zp: in
     return np.array(out, dtype=np.uint8).reshape(a.shape)
 
 
+def _codes(a: np.ndarray, b: np.ndarray, body: int, p: EltwiseParams, subtract: bool,
+           act_min: int, act_max: int) -> np.ndarray:
+    """Output codes of flat uint8 ``a``, ``b``: elements below ``body`` by the NEON rule, the rest by
+    the scalar tail's (module docstring); vectorised in int64, bit-exact with the ref."""
+    srdhm, rdbp = saturating_rounding_doubling_high_mul, rounding_divide_by_pot
+    x = (a.astype(np.int64) - p.a_zp) << LEFT_SHIFT
+    y = (b.astype(np.int64) - p.b_zp) << LEFT_SHIFT
+    # Body: arithmetic shift right (floor); tail: rounding divide (ties away from zero).
+    xm = srdhm(x, p.a_multiplier)
+    ym = srdhm(y, p.b_multiplier)
+    xs = np.concatenate([xm[:body] >> -p.a_shift, rdbp(xm[body:], -p.a_shift)])
+    ys = np.concatenate([ym[:body] >> -p.b_shift, rdbp(ym[body:], -p.b_shift)])
+    r = xs - ys if subtract else xs + ys
+    r = rdbp(srdhm(r, p.out_multiplier), -p.out_shift)
+    v = r + p.out_zp  # tail: int32 add, then Saturate
+    # body: VMOVN keeps the low 16 bits, VADDQ_S16 adds the zero point modulo 2^16
+    v[:body] = (((((r[:body] + 0x8000) & 0xFFFF) - 0x8000 + p.out_zp) + 0x8000) & 0xFFFF) - 0x8000
+    v = np.clip(np.clip(v, 0, 255), act_min, act_max)
+    return v.astype(np.uint8)
+
+
+# From this many elements eltwise_add looks its codes up in two 256x256 tables (one per rule),
+# built once per parameter set: each output depends only on its two input codes and its rule.
+_LUT_MIN = 4096
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(p: EltwiseParams, subtract: bool, act_min: int, act_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """(NEON-body table, scalar-tail table), each indexed by a*256 + b."""
+    codes = np.arange(256, dtype=np.uint8)
+    a, b = np.repeat(codes, 256), np.tile(codes, 256)
+    return (_codes(a, b, a.size, p, subtract, act_min, act_max),
+            _codes(a, b, 0, p, subtract, act_min, act_max))
+
+
 def eltwise_add(a, b, *, a_scale: float, a_zp: int, b_scale: float, b_zp: int,
                 out_scale: float, out_zp: int, subtract: bool = False,
                 act_min: int = 0, act_max: int = 255) -> np.ndarray:
@@ -158,20 +194,13 @@ def eltwise_add(a, b, *, a_scale: float, a_zp: int, b_scale: float, b_zp: int,
     a, b_full = _prepare(a, b)
     p = eltwise_params(a_scale=a_scale, a_zp=a_zp, b_scale=b_scale, b_zp=b_zp,
                        out_scale=out_scale, out_zp=out_zp)
-    srdhm, rdbp = saturating_rounding_doubling_high_mul, rounding_divide_by_pot
-    x = (a.ravel().astype(np.int64) - p.a_zp) << LEFT_SHIFT
-    y = (b_full.ravel().astype(np.int64) - p.b_zp) << LEFT_SHIFT
-    n = x.size
+    n = a.size
     body = (n // NEON_BLOCK) * NEON_BLOCK
-    # Body: arithmetic shift right (floor); tail: rounding divide (ties away from zero).
-    xm = srdhm(x, p.a_multiplier)
-    ym = srdhm(y, p.b_multiplier)
-    xs = np.concatenate([xm[:body] >> -p.a_shift, rdbp(xm[body:], -p.a_shift)])
-    ys = np.concatenate([ym[:body] >> -p.b_shift, rdbp(ym[body:], -p.b_shift)])
-    r = xs - ys if subtract else xs + ys
-    r = rdbp(srdhm(r, p.out_multiplier), -p.out_shift)
-    v = r + p.out_zp  # tail: int32 add, then Saturate
-    # body: VMOVN keeps the low 16 bits, VADDQ_S16 adds the zero point modulo 2^16
-    v[:body] = (((((r[:body] + 0x8000) & 0xFFFF) - 0x8000 + p.out_zp) + 0x8000) & 0xFFFF) - 0x8000
-    v = np.clip(np.clip(v, 0, 255), act_min, act_max)
-    return v.astype(np.uint8).reshape(a.shape)
+    if n < _LUT_MIN:
+        return _codes(a.ravel(), b_full.ravel(), body, p, subtract, act_min, act_max).reshape(a.shape)
+    body_table, tail_table = _tables(p, bool(subtract), int(act_min), int(act_max))
+    idx = (a.astype(np.uint16) << 8) | b_full
+    out = body_table.take(idx)
+    if body < n:
+        out.reshape(-1)[body:] = tail_table.take(idx.reshape(-1)[body:])
+    return out
