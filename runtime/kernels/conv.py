@@ -647,7 +647,7 @@ _F32_INT = 1 << 24  # float32 holds every integer of magnitude <= 2^24
 _BLOCK_BYTES = 1 << 20  # float64 bytes of GEMM output per block, so a block stays in cache
 _LOOP_MIN = 512  # per-channel vectors are tiled to at least this many elements (long numpy inner loops)
 _SGEMM_MIN_K = 48  # from this reduction length, sgemm + two float64 passes beat the folded dgemm
-
+_DW_BLOCK_BYTES = 1 << 19  # float64 bytes of depthwise output per block (plus two float32 accumulators)
 
 def _x_bound(dtype, x_zp: int) -> int | None:
     """max |x - x_zp| over an integer dtype of at most 16 bits; None for wider types (no static bound)."""
@@ -763,6 +763,28 @@ def _centered(x: np.ndarray, x_zp: int, g: _Geometry, dtype) -> np.ndarray:
     return xp
 
 
+def _column_phases(x: np.ndarray, x_zp: int, g: _Geometry, dtype) -> list:
+    """The centered, zero-padded input (see _centered) split by padded column modulo the stride:
+    phase p holds padded columns p, p + sw, p + 2*sw, ... contiguously, so a kernel tap at padded
+    column fx*dw + j*sw reads phase (fx*dw) % sw from column (fx*dw) // sw + j, a contiguous run.
+    One pass over x; exact as in _centered."""
+    if g.sw == 1:
+        return [_centered(x, x_zp, g, dtype)]
+    hp, wp = g.h + g.top + g.bottom, g.w + g.left + g.right
+    phases = []
+    for p in range(g.sw):
+        cols = len(range(p, wp, g.sw))
+        ph = np.zeros((g.n, hp, cols, g.c), dtype)
+        j0 = max(0, -(-(g.left - p) // g.sw))  # first phase column inside the image
+        j1 = min(cols, -(-(g.left + g.w - p) // g.sw))  # one past the last
+        if j1 > j0:
+            start = p + j0 * g.sw - g.left
+            np.subtract(x[:, :, start:start + (j1 - j0 - 1) * g.sw + 1:g.sw], x_zp,
+                        out=ph[:, g.top:g.top + g.h, j0:j1], dtype=dtype)
+        phases.append(ph)
+    return phases
+
+
 def _reps(n: int) -> int:
     return max(1, -(-_LOOP_MIN // max(n, 1)))
 
@@ -826,6 +848,11 @@ class Conv2dPlan:
         self._modes[dtype] = hit
         return hit
 
+    def path(self, dtype=np.uint8) -> str:
+        """Which path inputs of ``dtype`` take: "folded", "g32", "g64" or "generic"."""
+        kind, _, dt = self._mode(np.dtype(dtype))
+        return "generic" if kind is None else "folded" if kind == "folded" else "g" + str(8 * np.dtype(dt).itemsize)
+
     def __call__(self, x) -> np.ndarray:
         kw = self.kwargs
         x, w, g = _conv_setup(x, self.w, self.group, kw["strides"], kw["pads"], kw["dilations"])
@@ -840,22 +867,23 @@ class Conv2dPlan:
         out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)
         reps = _reps(og)
         rows = max(reps, _BLOCK_BYTES // (8 * max(og, ka)) // reps * reps)
+        n_rows = g.n * g.oh * g.ow
         pointwise = (group == 1 and g.kh == g.kw == g.sh == g.sw == 1
                      and not (g.top or g.left or g.bottom or g.right))
         if pointwise:
-            n_rows = g.n * g.h * g.w
+            rows_t = -(-min(rows, n_rows) // reps) * reps  # whole tiles
         else:
             rb = max(1, min(g.oh, rows // g.ow))
-            rows = rb * g.ow
-        rows_t = -(-min(rows, g.n * g.oh * g.ow) // reps) * reps  # whole tiles
+            rows_t = -(-rb * g.ow // reps) * reps
+        tiles = [self.rq.tiles(reps, slice(i * og, (i + 1) * og)) for i in range(group)]
         a = np.empty((rows_t, ka), dt)
         if folded:
             a[:, k] = 1.0
         y = np.zeros((rows_t, og))  # zeros: the rows past a short last block stay finite
         gb = y if folded else np.zeros((rows_t, og), dt)
-        tiles = [self.rq.tiles(reps, slice(i * og, (i + 1) * og)) for i in range(group)]
 
         def gemm_finish(m, grp, dst):
+            """GEMM of the first m rows of ``a`` for group ``grp``, requantized into ``dst``."""
             mt = -(-m // reps) * reps
             np.matmul(a[:m], mats[grp], out=gb[:m])
             yv = y[:mt].reshape(mt // reps, reps * og)
@@ -933,20 +961,43 @@ class DepthwiseConv2dPlan:
         self.rq = _ExactRequant(p, out_zp, l1) if float_multiplier is None else None
         self._taps: dict = {}
 
-    def _tap_weights(self, ow: int, sw: int, dtype) -> list:
-        """Per-tap weights [KH][KW], broadcastable to the (rows, OW, C, M) accumulator.
+    def _tap_groups(self, g: _Geometry, dtype) -> list:
+        """The kernel columns grouped by the input phase they read (see _column_phases):
+        [(phase, n_fx, x0, x_step, weights)], fx = fx0, fx0 + step, ... reading phase columns
+        x0, x0 + x_step, ... (fx*dw = phase + sw*column; within a phase both steps are uniform).
+        With M == 1 the weights [KH, n_fx, C] are tiled to [KH, n_fx, OW*C], so that the einsum
+        runs over each output row as one contiguous loop; else they are [KH, n_fx, C, M]."""
+        key = (g.ow, g.sw, g.dw, np.dtype(dtype).str)
+        groups = self._taps.get(key)
+        if groups is None:
+            kh, kw, c, mult = self.wo.shape
+            groups = []
+            for phase in range(g.sw):
+                fxs = [fx for fx in range(kw) if fx * g.dw % g.sw == phase]
+                if not fxs:
+                    continue
+                step = fxs[1] - fxs[0] if len(fxs) > 1 else 1
+                x0 = fxs[0] * g.dw // g.sw
+                x_step = (fxs[1] * g.dw // g.sw - x0) if len(fxs) > 1 else 0
+                wt = self.wo[:, fxs[0]::step][:, :len(fxs)].astype(dtype)
+                if mult == 1:
+                    wt = np.ascontiguousarray(np.broadcast_to(wt[:, :, None, :, 0], (kh, len(fxs), g.ow, c)))
+                    wt = wt.reshape(kh, len(fxs), g.ow * c)
+                groups.append((phase, len(fxs), x0, x_step, wt))
+            self._taps[key] = groups
+        return groups
 
-        With M == 1 and stride 1 they are tiled to (OW, C, 1), so each tap's multiply
-        runs as one long contiguous loop instead of OW loops of C elements.
-        """
-        key = (ow if sw == 1 and self.wo.shape[3] == 1 else 0, np.dtype(dtype).str)
-        taps = self._taps.get(key)
-        if taps is None:
-            wt = self.wo.astype(dtype)
-            if key[0]:
-                wt = np.ascontiguousarray(np.broadcast_to(wt[:, :, None], wt.shape[:2] + (ow,) + wt.shape[2:]))
-            taps = self._taps[key] = [[wt[fy, fx] for fx in range(wt.shape[1])] for fy in range(wt.shape[0])]
-        return taps
+    def _acc_dtype(self, dtype):
+        """float32/float64 accumulators for inputs of ``dtype`` (argument 3), or None: generic path."""
+        xb = _x_bound(dtype, self.x_zp)
+        if xb is None or xb * self.l1_max >= _F64_INT or (self.rq is not None and not self.rq.g_ok(xb)):
+            return None
+        return np.float32 if xb * self.l1_max < _F32_INT else np.float64
+
+    def path(self, dtype=np.uint8) -> str:
+        """Which path inputs of ``dtype`` take: "g32", "g64" or "generic"."""
+        dt = self._acc_dtype(np.dtype(dtype))
+        return "generic" if dt is None else "g" + str(8 * np.dtype(dt).itemsize)
 
     def __call__(self, x) -> np.ndarray:
         kw_ = self.kwargs
@@ -954,48 +1005,44 @@ class DepthwiseConv2dPlan:
         kh, kw, c, mult = self.w.shape
         _dw_channels(self.w, x)
         g = _geometry(x, kh, kw, kw_["strides"], kw_["pads"], kw_["dilations"], "depthwise_conv2d")
-        xb = _x_bound(x.dtype, self.x_zp)
-        fixed = self.rq is not None
-        if xb is None or xb * self.l1_max >= _F64_INT or (fixed and not self.rq.g_ok(xb)):
+        dtype = self._acc_dtype(x.dtype)
+        if dtype is None:
             return _depthwise_conv2d_generic(x, self.w, self.bias, **kw_)
-        dtype = np.float32 if xb * self.l1_max < _F32_INT else np.float64  # argument 3
+        fixed = self.rq is not None
         o = c * mult
-        xp = _centered(x, self.x_zp, g, dtype)
-        taps = self._tap_weights(g.ow, g.sw, dtype)
+        phases = _column_phases(x, self.x_zp, g, dtype)
+        groups = self._tap_groups(g, dtype)
         out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)
-        rb = max(1, min(g.oh, _BLOCK_BYTES // (8 * g.ow * o)))
-        acc = np.empty((rb, g.ow, c, mult), dtype)
-        tmp = np.empty_like(acc)
-        if fixed:
-            y = np.empty((rb, g.ow * o))
-            tiles = self.rq.tiles(g.ow)
-        for n in range(g.n):
-            for r0 in range(0, g.oh, rb):
-                nr = min(rb, g.oh - r0)
-                a, t = acc[:nr], tmp[:nr]
-                first = True
-                for fy in range(kh):
-                    y0 = r0 * g.sh + fy * g.dh
-                    src = xp[n, y0:y0 + (nr - 1) * g.sh + 1:g.sh, :, :, None]
-                    for fx in range(kw):
-                        x0 = fx * g.dw
-                        tap = src[:, x0:x0 + (g.ow - 1) * g.sw + 1:g.sw]
-                        if first:
-                            np.multiply(tap, taps[fy][fx], out=a)
-                            first = False
-                        else:
-                            np.multiply(tap, taps[fy][fx], out=t)
-                            np.add(a, t, out=a)
-                dst = out[n, r0:r0 + nr]
-                if fixed:
-                    yb = y[:nr]
-                    self.rq.from_g(a.reshape(nr, g.ow * o), tiles, yb)
-                    self.rq.finish(yb, tiles, yb.reshape(dst.shape), dst)
-                else:
-                    accb = wrap_int32(a.reshape(dst.shape).astype(np.int64) + self.p.bias)  # exact integers
-                    dst[...] = requantize_float(accb, multiplier=np.float32(kw_["float_multiplier"]),
-                                                out_zp=kw_["out_zp"], rounding=kw_["float_rounding"],
-                                                act_min=self.p.lo, act_max=self.p.hi)
+        rb = max(1, min(g.oh, _DW_BLOCK_BYTES // (8 * g.ow * o)))
+        blocks = [(n, r0, min(rb, g.oh - r0)) for n in range(g.n) for r0 in range(0, g.oh, rb)]
+        tiles = self.rq.tiles(g.ow) if fixed else None
+        spec = "yxrk,yxk->rk" if mult == 1 else "yxrwc,yxcm->rwcm"
+        acc = np.empty((rb, g.ow * c) if mult == 1 else (rb, g.ow, c, mult), dtype)
+        tmp = np.empty_like(acc) if len(groups) > 1 else None
+        y = np.empty((rb, g.ow * o)) if fixed else None
+        for n, r0, nr in blocks:
+            a = acc[:nr]
+            for i, (phase, n_fx, x0, x_step, wt) in enumerate(groups):
+                src = phases[phase][n, r0 * g.sh:, x0:]
+                s_row, s_col, s_c = src.strides
+                # taps [KH, n_fx] x output rows x output columns (x channels): a strided view
+                shape = (kh, n_fx, nr) + ((g.ow * c,) if mult == 1 else (g.ow, c))
+                strides = (s_row * g.dh, s_col * x_step, s_row * g.sh) + ((s_c,) if mult == 1 else (s_col, s_c))
+                taps = as_strided(src, shape=shape, strides=strides, writeable=False)
+                # the sum over the taps: exact, every partial sum is an integer <= X*L1 (argument 3)
+                np.einsum(spec, taps, wt, out=a if i == 0 else tmp[:nr])
+                if i:
+                    a += tmp[:nr]
+            dst = out[n, r0:r0 + nr]
+            if fixed:
+                yb = y[:nr]
+                self.rq.from_g(a.reshape(nr, g.ow * o), tiles, yb)
+                self.rq.finish(yb, tiles, yb.reshape(dst.shape), dst)
+            else:
+                accb = wrap_int32(a.reshape(dst.shape).astype(np.int64) + self.p.bias)  # exact integers
+                dst[...] = requantize_float(accb, multiplier=np.float32(kw_["float_multiplier"]),
+                                            out_zp=kw_["out_zp"], rounding=kw_["float_rounding"],
+                                            act_min=self.p.lo, act_max=self.p.hi)
         return out
 
 
