@@ -21,10 +21,7 @@ import numpy as np
 from maceq.errors import MaceqError
 from maceq.quant.ir import ACT_ATTR, Graph, Node
 from maceq.quant.mace import mace_pb2
-try:  # TEMPORARY while the float emitters land: see quant/mace/float_ops.py
-    from maceq.quant.mace.float_ops import FLOAT_EMITTABLE, emit_float_node
-except ImportError:  # pragma: no cover
-    FLOAT_EMITTABLE, emit_float_node = frozenset(), None
+from maceq.quant.mace.float_ops import FLOAT_EMITTABLE, cancel_inverse_transposes, emit_float_node
 from maceq.quant.scheme import AffineParams, adjust_range, quantize_bias, quantize_weights
 
 DT_FLOAT, DT_UINT8, DT_INT32 = mace_pb2.DT_FLOAT, mace_pb2.DT_UINT8, mace_pb2.DT_INT32
@@ -164,21 +161,19 @@ class MaceBuilder:
 
     def _emit_float(self, node: Node) -> None:
         """A float32 MACE op (T=DT_FLOAT) for ``node``; its operands are dequantized as needed."""
-        ins = []
-        for i in node.inputs:
-            if not i or self.g.is_const(i):
-                continue
-            ins.append(self._as_float(i))
-        out = node.outputs[0]
-        emission = emit_float_node(node, graph=self.g, shapes=self.shapes, inputs=ins, output=out,
-                                   op_name=node.name)
+        # One MACE name per IR input; constant operands are read from the graph by the emitter.
+        ins = [i if (not i or self.g.is_const(i)) else self._as_float(i) for i in node.inputs]
+        outs = list(node.outputs)
+        emission = emit_float_node(node, graph=self.g, shapes=self.shapes, inputs=ins,
+                                   output=outs if len(outs) > 1 else outs[0], op_name=node.name)
         for op in emission.ops:
             self.net.op.add().CopyFrom(op)
             self.op_sources[op.name] = node.name
         for tensor, arr in emission.tensors:
             self.net.tensors.add().CopyFrom(tensor)
             self.arrays[tensor.name] = arr
-        self.float_name[out] = out
+        for out in outs:
+            self.float_name[out] = out
 
     # -- helpers -----------------------------------------------------------
     def _range_q(self, tensor: str) -> AffineParams:
@@ -447,6 +442,14 @@ class MaceBuilder:
             if src is None:
                 raise MaceqError(f"graph output '{out}' is not produced by any emitted op")
             self._dequantize(out, src, out_name=out, op_name=out)
+        # Back-to-back NHWC<->NCHW transposes between consecutive float ops cancel out.
+        kept = []
+        for op in cancel_inverse_transposes(list(self.net.op), keep=set(g.outputs)):
+            c = mace_pb2.OperatorDef()
+            c.CopyFrom(op)
+            kept.append(c)
+        del self.net.op[:]
+        self.net.op.extend(kept)
         # MACE's converter keeps the source model's initializer order for the weights.
         order = {name: k for k, name in enumerate(self.g.initializers)}
         tensors = sorted(self.net.tensors, key=lambda t: order.get(t.name, len(order)))

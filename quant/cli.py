@@ -104,6 +104,10 @@ def _run_cli(fn, argv):
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `maceq inspect ... | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 # -- quantize ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.runtime import ops as _ops  # noqa: F401  (registers the kernels)
+from maceq.runtime import ops_float as _ops_float  # noqa: F401
 from maceq.runtime import ops_shape as _ops_shape  # noqa: F401
 from maceq.runtime.graph import RtOp, parse_ops
 from maceq.runtime.profiles import DeviceProfile, get_profile
