@@ -402,7 +402,21 @@ class MaceBuilder:
         # transformer.py: Softmax output quantize info is adjust_range(0, 1).
         self._finish(op, node, node.outputs[0], adjust_range(0.0, 1.0, non_zero=False))
 
-    EMITTERS = {"Conv": emit_conv, "Gemm": emit_gemm, "MatMul": emit_gemm, "Add": emit_eltwise,
+    def emit_resize(self, node: Node, out_name: str, op_name: str):
+        m = _resize_mapping(self.g, node, self.shapes).mace
+        op = self._new_op(op_name, "ResizeBilinear", [self._src(node.inputs[0])], [out_name], source=node.name)
+        self._common(op)
+        _arg(op, "size", list(self.shapes[node.outputs[0]][2:]))
+        _arg(op, "align_corners", int(m.align_corners))
+        if int(m.coordinate_mode) != 0:
+            _arg(op, "coordinate_transformation_mode", int(m.coordinate_mode))
+        if m.scale_hw is not None:
+            _arg(op, "height_scale", float(m.scale_hw[0]))
+            _arg(op, "width_scale", float(m.scale_hw[1]))
+        # transformer.py add_quantize_tensor_range: ResizeBilinear copies its producer's quantize info.
+        self._finish(op, node, node.outputs[0], self._in_q(node.inputs[0]))
+
+    EMITTERS = {"Conv": emit_conv, "Resize": emit_resize, "Upsample": emit_resize, "Gemm": emit_gemm, "MatMul": emit_gemm, "Add": emit_eltwise,
                 "Sub": emit_eltwise, "GlobalAveragePool": emit_global_pool, "MaxPool": emit_pool,
                 "AveragePool": emit_pool, "Concat": emit_concat, "Softmax": emit_softmax}
     VIEW_OPS = ("Flatten", "Reshape", "Squeeze")
@@ -410,7 +424,7 @@ class MaceBuilder:
     # -- whole graph ---------------------------------------------------------------
     def build(self, *, input_formats: dict[str, str], strict: bool = False) -> BuiltModel:
         g = self.g
-        self.view_src, self.placement = place_nodes(g, strict=strict)
+        self.view_src, self.placement = place_nodes(g, strict=strict, shapes=self.shapes)
         consumers = g.consumers()
         for vi in g.inputs:
             self.float_name[vi.name] = vi.name
@@ -493,8 +507,39 @@ class MaceBuilder:
 UINT8, FLOAT = "uint8", "float32"
 
 
-def uint8_capable(g: Graph, node: Node) -> bool:
+def _resize_mapping(g: Graph, node: Node, shapes):
+    """G's ONNX Resize mapping for a linear Resize/Upsample with constant scales/sizes, else None."""
+    from maceq.runtime.kernels.resize import onnx_resize_mapping
+
+    x, out = node.inputs[0], node.outputs[0]
+    if x not in shapes or out not in shapes or len(shapes[x]) != 4:
+        return None
+    mode = str(node.attr("mode", "nearest"))
+    if mode not in ("linear", "bilinear"):
+        return None
+    scales = None
+    for idx in (2, 1):  # Resize-11+: (X, roi, scales, sizes); Upsample: (X, scales)
+        if len(node.inputs) > idx and node.inputs[idx] and g.is_const(node.inputs[idx]):
+            v = np.asarray(g.const(node.inputs[idx]), dtype=np.float32).ravel()
+            if v.size == 4 and (idx == 2 or node.op_type == "Upsample"):
+                scales = (float(v[2]), float(v[3]))
+                break
+    ctm = "asymmetric" if node.op_type == "Upsample" else str(node.attr("coordinate_transformation_mode",
+                                                                        "half_pixel"))
+    try:
+        return onnx_resize_mapping(mode=mode, coordinate_transformation_mode=ctm,
+                                   nearest_mode=str(node.attr("nearest_mode", "round_prefer_floor")),
+                                   in_hw=tuple(shapes[x][2:]), out_hw=tuple(shapes[out][2:]),
+                                   scales_hw=scales, node=node.name)
+    except MaceqError:
+        return None
+
+
+def uint8_capable(g: Graph, node: Node, shapes=None) -> bool:
     """Whether MACE's CPU runtime has a uint8 kernel for this node as the writer would emit it."""
+    if node.op_type in ("Resize", "Upsample"):
+        m = _resize_mapping(g, node, shapes or {})
+        return m is not None and m.mace is not None
     if node.op_type not in MaceBuilder.EMITTERS:
         return False
     if node.op_type in ("Add", "Sub") and any(g.is_const(i) for i in node.inputs):
@@ -502,7 +547,7 @@ def uint8_capable(g: Graph, node: Node) -> bool:
     return True
 
 
-def place_nodes(g: Graph, *, strict: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+def place_nodes(g: Graph, *, strict: bool = False, shapes=None) -> tuple[dict[str, str], dict[str, str]]:
     """Decide where each node runs: ``uint8`` (a MACE uint8 kernel) or ``float32`` (float fallback).
 
     Returns (views folded into FullyConnected: output -> input, placement by node name).
@@ -514,11 +559,11 @@ def place_nodes(g: Graph, *, strict: bool = False) -> tuple[dict[str, str], dict
     for node in g.nodes:
         if node.op_type in MaceBuilder.VIEW_OPS:
             cons = consumers.get(node.outputs[0], [])
-            if (cons and all(c.op_type in ("Gemm", "MatMul") and uint8_capable(g, c) for c in cons)
+            if (cons and all(c.op_type in ("Gemm", "MatMul") and uint8_capable(g, c, shapes) for c in cons)
                     and node.outputs[0] not in g.outputs):
                 views[node.outputs[0]] = node.inputs[0]
                 continue
-        if uint8_capable(g, node):
+        if uint8_capable(g, node, shapes):
             placement[node.name] = UINT8
             continue
         if node.op_type not in FLOAT_EMITTABLE:
@@ -530,9 +575,9 @@ def place_nodes(g: Graph, *, strict: bool = False) -> tuple[dict[str, str], dict
     return views, placement
 
 
-def check_supported(g: Graph, *, strict: bool = False) -> dict[str, str]:
+def check_supported(g: Graph, *, strict: bool = False, shapes=None) -> dict[str, str]:
     """Raise MaceqError naming the first node the cpu writer cannot emit; return the placement."""
-    return place_nodes(g, strict=strict)[1]
+    return place_nodes(g, strict=strict, shapes=shapes)[1]
 
 
 def build_mace_model(graph: Graph, ranges: dict[str, tuple[float, float]], shapes: dict[str, tuple[int, ...]],

@@ -79,7 +79,7 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     onnx_path = Path(onnx_path)
     name = model_name or onnx_path.stem
     opt, in_shapes, shapes = prepare_graph(onnx_path, input_shape=input_shape, preprocess=preprocess)
-    placement = check_supported(opt, strict=strict)  # fail before the (long) calibration
+    placement = check_supported(opt, strict=strict, shapes=shapes)  # fail before the (long) calibration
     if len(opt.inputs) != 1:
         raise MaceqError(f"{onnx_path}: {len(opt.inputs)} inputs; image calibration supports one-input models")
     in_name = opt.inputs[0].name

@@ -50,3 +50,42 @@ class Squeeze(_View):
 @register("Flatten")
 class Flatten(_View):
     pass
+
+
+@dataclass(frozen=True)
+class ResizeParams:
+    out_hw: tuple[int, int]
+    align_corners: bool
+    coordinate_mode: int
+    scale_hw_bits: tuple[int, int] | None  # float32 bit patterns of MACE's height/width scale args
+
+
+@register("ResizeBilinear")
+class ResizeBilinear:
+    """MACE's uint8 ResizeBilinear (mace/ops/resize_bilinear.cc): codes interpolated in float32, roundf.
+
+    The output keeps the input's scale and zero point, as MACE's converter writes it.
+    """
+
+    def prepare(self, op: RtOp, in_q, ctx) -> ResizeParams:
+        size = op.arg("size")
+        hs, ws = op.arg("height_scale"), op.arg("width_scale")
+        if size is None and hs is None:
+            raise MaceqError(f"op '{op.name}' (ResizeBilinear): neither size nor scale args")
+        bits = None
+        if hs is not None and ws is not None:
+            bits = (int(np.float32(hs).view(np.int32)), int(np.float32(ws).view(np.int32)))
+        out_hw = tuple(size) if size is not None else tuple(op.output_shapes[0][1:3])
+        return ResizeParams(out_hw, bool(op.arg("align_corners", 0)), int(op.arg("coordinate_transformation_mode", 0)),
+                            bits)
+
+    def run(self, p: ResizeParams, inputs):
+        from maceq.runtime.kernels.resize import MaceCoordMode, resize_bilinear_mace
+        from maceq.runtime.model import QTensor
+
+        scale_hw = None
+        if p.scale_hw_bits is not None:
+            scale_hw = tuple(float(np.int32(b).view(np.float32)) for b in p.scale_hw_bits)
+        y = resize_bilinear_mace(inputs[0].values, out_hw=None if scale_hw else p.out_hw, scale_hw=scale_hw,
+                                 align_corners=p.align_corners, coordinate_mode=MaceCoordMode(p.coordinate_mode))
+        return [QTensor(y, inputs[0].qinfo)]

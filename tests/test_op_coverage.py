@@ -95,3 +95,36 @@ def test_unsupported_op_names_the_node(tmp_path, images):
     with pytest.raises(MaceqError, match="my_erf.*Erf"):
         quantize(model_path, images, output_dir=tmp_path / "out", preprocess=PRE, progress=False)
     assert not (tmp_path / "out" / "erf.yml").exists()
+
+
+def test_bilinear_resize_is_uint8_nearest_falls_back(tmp_path, images):
+    rng = np.random.default_rng(5)
+    inits = {"w1": rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32),
+             "w2": rng.normal(0, 0.3, (4, 4, 1, 1)).astype(np.float32),
+             "roi": np.zeros(0, np.float32), "sc": np.array([1, 1, 2, 2], np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Resize", ["c1", "roi", "sc"], ["up"], mode="linear",
+                              coordinate_transformation_mode="half_pixel", name="up_linear"),
+             helper.make_node("Conv", ["up", "w2"], ["c2"], name="conv2"),
+             helper.make_node("Resize", ["c2", "roi", "sc"], ["y"], mode="nearest",
+                              coordinate_transformation_mode="asymmetric", nearest_mode="floor", name="up_nearest")]
+    g = helper.make_graph(nodes, "rs", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3, 16, 16])],
+                          [helper.make_empty_tensor_value_info("y")],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    path = tmp_path / "rs.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), path)
+    res = quantize(path, images, output_dir=tmp_path / "out", preprocess=PRE, progress=False)
+    assert res.placement == {"conv1": "uint8", "up_linear": "uint8", "conv2": "uint8", "up_nearest": "float32"}
+    model = load(res.files.yml)
+    rb = next(op for op in model.ops if op.type == "ResizeBilinear")
+    assert rb.arg("T") == 2 and rb.arg("size") == [32, 32] and rb.arg("coordinate_transformation_mode") == 1
+    x = next(ImageFolder(images, PRE, labels=None).iter_batches(1)).data
+    run = model.run({"x": x}, intermediates=True)
+    from maceq.runtime.kernels.resize import MaceCoordMode, resize_bilinear_mace
+    want = resize_bilinear_mace(run.tensors["c1"].values, out_hw=(32, 32), coordinate_mode=MaceCoordMode.HALF_PIXEL)
+    np.testing.assert_array_equal(run.tensors["up"].values, want)
+    f = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    y = run.outputs["y"]
+    assert y.shape == f.shape == (1, 4, 64, 64)
+    assert np.corrcoef(y.ravel(), f.ravel())[0, 1] > 0.99
+    assert np.abs(y - f).mean() < 0.02 * np.abs(f).max()
