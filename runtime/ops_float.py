@@ -1,6 +1,6 @@
 """MACE float ops (``T = DT_FLOAT``) in the runtime: one kernel class per op type, registered for DType.FLOAT.
 
-Layout rule (docs/dev/float-ops.md). MACE's float CPU kernels index 4-D tensors as NCHW.
+Layout rule (docs/float-ops.md). MACE's float CPU kernels index 4-D tensors as NCHW.
 maceq holds a tensor as the op that reads it expects, decided by the op's ``data_format`` arg:
 
 - ``data_format`` NONE (0, also when absent) or NCHW (2): **raw**. The kernel sees the array as

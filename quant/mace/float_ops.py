@@ -1,6 +1,6 @@
 """IR node -> MACE float ops (``T = DT_FLOAT``) that run inside an otherwise uint8 MACE model.
 
-Layout contract (docs/dev/float-ops.md, with the MACE sources):
+Layout contract (docs/float-ops.md, with the MACE sources):
 
 - In a uint8 model MACE's NetDefAdapter runs every CPU op with ``data_format`` AUTO as NHWC
   (``mace/core/net_def_adapter.cc`` ``GetDefaultDataFormat``: quantized model -> NHWC), but MACE's

@@ -32,7 +32,7 @@ when passed to ``QuantizeMultiplier``. The kernels reproduce that: every ``*_par
 rounds each intermediate to float32.
 
 HardSigmoid and Clip have no uint8 TFLite kernel; they are defined here (and in
-docs/dev/semantics-activation.md) as exact lookup tables, see :func:`make_lut`.
+docs/semantics.md) as exact lookup tables, see :func:`make_lut`.
 """
 from __future__ import annotations
 
