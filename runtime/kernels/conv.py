@@ -758,9 +758,18 @@ def _centered(x: np.ndarray, x_zp: int, g: _Geometry, dtype) -> np.ndarray:
     """(x - x_zp) in ``dtype`` with zero padding (== padding x with x_zp first); exact, |x - x_zp| <= 2^16."""
     if not (g.top or g.bottom or g.left or g.right):
         return np.subtract(x, x_zp, dtype=dtype)
-    xp = np.zeros((g.n, g.h + g.top + g.bottom, g.w + g.left + g.right, g.c), dtype)
+    xp = np.empty((x.shape[0], g.h + g.top + g.bottom, g.w + g.left + g.right, g.c), dtype)
+    _zero_border(xp, g.top, g.top + g.h, g.left, g.left + g.w)
     np.subtract(x, x_zp, out=xp[:, g.top:g.top + g.h, g.left:g.left + g.w, :], dtype=dtype)
     return xp
+
+
+def _zero_border(a: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> None:
+    """Zero a [N, H, W, C] array outside rows r0:r1 and columns c0:c1 (the padding)."""
+    a[:, :r0] = 0
+    a[:, r1:] = 0
+    a[:, r0:r1, :c0] = 0
+    a[:, r0:r1, c1:] = 0
 
 
 def _column_phases(x: np.ndarray, x_zp: int, g: _Geometry, dtype) -> list:
@@ -774,9 +783,10 @@ def _column_phases(x: np.ndarray, x_zp: int, g: _Geometry, dtype) -> list:
     phases = []
     for p in range(g.sw):
         cols = len(range(p, wp, g.sw))
-        ph = np.zeros((g.n, hp, cols, g.c), dtype)
+        ph = np.empty((x.shape[0], hp, cols, g.c), dtype)
         j0 = max(0, -(-(g.left - p) // g.sw))  # first phase column inside the image
         j1 = min(cols, -(-(g.left + g.w - p) // g.sw))  # one past the last
+        _zero_border(ph, g.top, g.top + g.h, j0, max(j0, j1))
         if j1 > j0:
             start = p + j0 * g.sw - g.left
             np.subtract(x[:, :, start:start + (j1 - j0 - 1) * g.sw + 1:g.sw], x_zp,
@@ -818,6 +828,7 @@ class Conv2dPlan:
         self.l1_max = int(l1.max()) if l1.size else 0
         self.rq = _ExactRequant(p, out_zp, l1)
         self._modes: dict = {}
+        self._setups: dict = {}
         self._mode(np.dtype(np.uint8))  # the runtime's activations: build those matrices now
 
     def _mode(self, dtype) -> tuple:
@@ -853,14 +864,24 @@ class Conv2dPlan:
         kind, _, dt = self._mode(np.dtype(dtype))
         return "generic" if kind is None else "folded" if kind == "folded" else "g" + str(8 * np.dtype(dt).itemsize)
 
+    def _setup(self, x: np.ndarray) -> tuple:
+        """(checked x, geometry, path kind, matrices, GEMM dtype), the checks cached per shape and dtype."""
+        key = (x.shape, x.dtype) if isinstance(x, np.ndarray) else None
+        hit = self._setups.get(key)
+        if hit is None:
+            kw = self.kwargs
+            x, _, g = _conv_setup(x, self.w, self.group, kw["strides"], kw["pads"], kw["dilations"])
+            hit = (g,) + self._mode(x.dtype)
+            if key is not None:
+                self._setups[key] = hit
+        return (x,) + hit
+
     def __call__(self, x) -> np.ndarray:
-        kw = self.kwargs
-        x, w, g = _conv_setup(x, self.w, self.group, kw["strides"], kw["pads"], kw["dilations"])
-        kind, mats, dt = self._mode(x.dtype)
+        x, g, kind, mats, dt = self._setup(x)
         if kind is None:
-            return _conv2d_generic(x, self.w, self.bias, **kw)
+            return _conv2d_generic(x, self.w, self.bias, **self.kwargs)
         folded = kind == "folded"
-        o, group = w.shape[0], self.group
+        o, group = self.w.shape[0], self.group
         og, cg = o // group, g.c // group
         k = g.kh * g.kw * cg
         ka = k + 1 if folded else k  # the folded GEMM has the ones column
@@ -898,15 +919,15 @@ class Conv2dPlan:
                 np.subtract(src[r0:r0 + m], self.x_zp, out=a[:m, :k], dtype=dt)
                 gemm_finish(m, 0, dst[r0:r0 + m])
             return out
-        win = _windows(_centered(x, self.x_zp, g, dt), g)  # [N, OH, OW, KH, KW, C]
         s0, s1 = a.strides
         for n in range(g.n):
+            win = _windows(_centered(x[n:n + 1], self.x_zp, g, dt), g)  # [1, OH, OW, KH, KW, C]
             for r0 in range(0, g.oh, rb):
                 nr = min(rb, g.oh - r0)
                 cols = as_strided(a, shape=(nr, g.ow, g.kh, g.kw, cg),
                                   strides=(g.ow * s0, s0, g.kw * cg * s1, cg * s1, s1))
                 for grp in range(group):
-                    np.copyto(cols, win[n, r0:r0 + nr, :, :, :, grp * cg:(grp + 1) * cg])
+                    np.copyto(cols, win[0, r0:r0 + nr, :, :, :, grp * cg:(grp + 1) * cg])
                     gemm_finish(nr * g.ow, grp, out[n, r0:r0 + nr, :, grp * og:(grp + 1) * og])
         return out
 
@@ -960,6 +981,7 @@ class DepthwiseConv2dPlan:
         self.l1_max = int(l1.max()) if l1.size else 0
         self.rq = _ExactRequant(p, out_zp, l1) if float_multiplier is None else None
         self._taps: dict = {}
+        self._setups: dict = {}
 
     def _tap_groups(self, g: _Geometry, dtype) -> list:
         """The kernel columns grouped by the input phase they read (see _column_phases):
@@ -999,18 +1021,29 @@ class DepthwiseConv2dPlan:
         dt = self._acc_dtype(np.dtype(dtype))
         return "generic" if dt is None else "g" + str(8 * np.dtype(dt).itemsize)
 
+    def _setup(self, x) -> tuple:
+        """(checked x, geometry, accumulator dtype), the checks cached per shape and dtype."""
+        key = (x.shape, x.dtype) if isinstance(x, np.ndarray) else None
+        hit = self._setups.get(key)
+        if hit is None:
+            kw_ = self.kwargs
+            x = _check_x(x, "depthwise_conv2d")
+            _dw_channels(self.w, x)
+            kh, kw = self.w.shape[:2]
+            hit = (_geometry(x, kh, kw, kw_["strides"], kw_["pads"], kw_["dilations"], "depthwise_conv2d"),
+                   self._acc_dtype(x.dtype))
+            if key is not None:
+                self._setups[key] = hit
+        return (x,) + hit
+
     def __call__(self, x) -> np.ndarray:
         kw_ = self.kwargs
-        x = _check_x(x, "depthwise_conv2d")
+        x, g, dtype = self._setup(x)
         kh, kw, c, mult = self.w.shape
-        _dw_channels(self.w, x)
-        g = _geometry(x, kh, kw, kw_["strides"], kw_["pads"], kw_["dilations"], "depthwise_conv2d")
-        dtype = self._acc_dtype(x.dtype)
         if dtype is None:
             return _depthwise_conv2d_generic(x, self.w, self.bias, **kw_)
         fixed = self.rq is not None
         o = c * mult
-        phases = _column_phases(x, self.x_zp, g, dtype)
         groups = self._tap_groups(g, dtype)
         out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)
         rb = max(1, min(g.oh, _DW_BLOCK_BYTES // (8 * g.ow * o)))
@@ -1021,9 +1054,11 @@ class DepthwiseConv2dPlan:
         tmp = np.empty_like(acc) if len(groups) > 1 else None
         y = np.empty((rb, g.ow * o)) if fixed else None
         for n, r0, nr in blocks:
+            if r0 == 0:  # one image at a time keeps the temporaries small
+                phases = _column_phases(x[n:n + 1], self.x_zp, g, dtype)
             a = acc[:nr]
             for i, (phase, n_fx, x0, x_step, wt) in enumerate(groups):
-                src = phases[phase][n, r0 * g.sh:, x0:]
+                src = phases[phase][0, r0 * g.sh:, x0:]
                 s_row, s_col, s_c = src.strides
                 # taps [KH, n_fx] x output rows x output columns (x channels): a strided view
                 shape = (kh, n_fx, nr) + ((g.ow * c,) if mult == 1 else (g.ow, c))
