@@ -168,6 +168,14 @@ def _codes(a: np.ndarray, b: np.ndarray, body: int, p: EltwiseParams, subtract: 
     return v.astype(np.uint8)
 
 
+@functools.lru_cache(maxsize=1024)
+def _cached_params(a_scale: float, a_zp: int, b_scale: float, b_zp: int, out_scale: float,
+                   out_zp: int) -> EltwiseParams:
+    """:func:`eltwise_params`, remembered: a model calls each Eltwise with the same scales every run."""
+    return eltwise_params(a_scale=a_scale, a_zp=a_zp, b_scale=b_scale, b_zp=b_zp, out_scale=out_scale,
+                          out_zp=out_zp)
+
+
 # From this many elements eltwise_add looks its codes up in two 256x256 tables (one per rule),
 # built once per parameter set: each output depends only on its two input codes and its rule.
 _LUT_MIN = 4096
@@ -192,8 +200,7 @@ def eltwise_add(a, b, *, a_scale: float, a_zp: int, b_scale: float, b_zp: int,
     uint8 Eltwise applies none; the defaults are a no-op). Returns uint8 of ``a``'s shape.
     """
     a, b_full = _prepare(a, b)
-    p = eltwise_params(a_scale=a_scale, a_zp=a_zp, b_scale=b_scale, b_zp=b_zp,
-                       out_scale=out_scale, out_zp=out_zp)
+    p = _cached_params(float(a_scale), int(a_zp), float(b_scale), int(b_zp), float(out_scale), int(out_zp))
     n = a.size
     body = (n // NEON_BLOCK) * NEON_BLOCK
     if n < _LUT_MIN:
