@@ -148,7 +148,7 @@ def test_conv2d_fast_equals_ref_random():
         x = rng.integers(lo, hi + 1, (int(rng.integers(1, 3)), h, w_, c)).astype(dtype)
         w_zp = rng.integers(lo, hi + 1, o) if i % 2 else int(rng.integers(lo, hi + 1))
         wt = rng.integers(lo, hi + 1, (o, kh, kw, cg)).astype(dtype)
-        bias, kw_args = _conv_args(rng, o, x_zp=int(rng.integers(lo, hi + 1)), lo=lo, hi=hi,
+        bias, kw_args = _conv_args(rng, o, x_zp=0 if i % 7 == 0 else int(rng.integers(lo, hi + 1)), lo=lo, hi=hi,
                                    bias_bits=int(rng.choice([8, 16, 21, 31])), per_channel=i % 3 == 0,
                                    big_shift=i % 11 == 0)
         kw_args.update(w_zp=w_zp, strides=tuple(int(v) for v in rng.integers(1, 3, 2)),
@@ -220,8 +220,8 @@ def test_depthwise_fast_equals_ref_random():
         bias, kw_args = _conv_args(rng, c * mult, x_zp=int(rng.integers(lo, hi + 1)), lo=lo, hi=hi,
                                    bias_bits=int(rng.choice([8, 16, 21, 31])), per_channel=i % 3 == 0,
                                    big_shift=i % 11 == 0)
-        kw_args.update(w_zp=lo if big else rng.integers(lo, hi + 1, c * mult) if i % 2 else int(rng.integers(lo, hi + 1)),
-                       strides=tuple(int(v) for v in rng.integers(1, 3, 2)),
+        w_zp = rng.integers(lo, hi + 1, c * mult) if i % 2 else int(rng.integers(lo, hi + 1))
+        kw_args.update(w_zp=lo if big else w_zp, strides=tuple(int(v) for v in rng.integers(1, 3, 2)),
                        dilations=(1, 1) if big else tuple(int(v) for v in rng.integers(1, 3, 2)),
                        pads=tuple(int(v) for v in rng.integers(0, 3, 4)), out_dtype=dtype)
         if (h + kw_args["pads"][0] + kw_args["pads"][2] < kw_args["dilations"][0] * (kh - 1) + 1

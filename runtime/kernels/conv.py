@@ -916,7 +916,10 @@ class Conv2dPlan:
             src, dst = x.reshape(-1, g.c), out.reshape(-1, o)
             for r0 in range(0, n_rows, rows_t):
                 m = min(rows_t, n_rows - r0)
-                np.subtract(src[r0:r0 + m], self.x_zp, out=a[:m, :k], dtype=dt)
+                if self.x_zp:
+                    np.subtract(src[r0:r0 + m], self.x_zp, out=a[:m, :k], dtype=dt)
+                else:
+                    a[:m, :k] = src[r0:r0 + m]  # a plain converting copy is twice as fast
                 gemm_finish(m, 0, dst[r0:r0 + m])
             return out
         s0, s1 = a.strides
