@@ -900,13 +900,14 @@ class Conv2dPlan:
         a = np.empty((rows_t, ka), dt)
         if folded:
             a[:, k] = 1.0
-        y = np.zeros((rows_t, og))  # zeros: the rows past a short last block stay finite
-        gb = y if folded else np.zeros((rows_t, og), dt)
+        y = np.empty((rows_t, og))
+        gb = y if folded else np.empty((rows_t, og), dt)
 
         def gemm_finish(m, grp, dst):
             """GEMM of the first m rows of ``a`` for group ``grp``, requantized into ``dst``."""
             mt = -(-m // reps) * reps
             np.matmul(a[:m], mats[grp], out=gb[:m])
+            gb[m:mt] = 0  # the rows that only complete the last tile: finite, never written out
             yv = y[:mt].reshape(mt // reps, reps * og)
             if not folded:
                 self.rq.from_g(gb[:mt].reshape(mt // reps, reps * og), tiles[grp], yv)
