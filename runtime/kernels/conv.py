@@ -4,7 +4,10 @@ Activations are NHWC. Every kernel comes twice with the same signature: a
 readable reference ``*_ref`` (explicit loops, plain ints, for small shapes) and
 a fast vectorised path; tests/oracle/test_conv_oracle.py proves them equal bit
 for bit and checks both against TFLite BUILTIN_REF or scalar transcriptions of
-MACE's C++.
+MACE's C++, tests/test_fast_paths.py adds adversarial cases. The fast path of
+each kernel is a reusable plan (``conv2d_plan`` and friends, see "Fast paths"
+below) with its own exactness arguments; outside their bounds it falls back to
+the generic int64 paths (``_conv2d_generic``, ``_depthwise_conv2d_generic``).
 
 Accumulation, for every output element (TFLite reference/conv.h style)::
 
@@ -15,7 +18,7 @@ Overflow bound: for uint8 (or int8) data and a zero point of the same type,
 magnitude and a sum of K products stays inside int32 while K < 2^15 (32768;
 a 3x3 kernel over 3640 input channels). Past that, and for extreme biases, the
 C kernels wrap modulo 2^32; both paths here wrap the same way
-(:func:`maceq.runtime.fixedpoint.wrap_int32`). The fast paths sum on float64
+(:func:`maceq.runtime.fixedpoint.wrap_int32`). The generic paths sum on float64
 BLAS, which is exact while |sum| < 2^53, i.e. for K < 2^37: every partial sum
 is an integer of at most 53 bits whatever order BLAS adds in.
 
@@ -648,6 +651,7 @@ _BLOCK_BYTES = 1 << 20  # float64 bytes of GEMM output per block, so a block sta
 _LOOP_MIN = 512  # per-channel vectors are tiled to at least this many elements (long numpy inner loops)
 _SGEMM_MIN_K = 48  # from this reduction length, sgemm + two float64 passes beat the folded dgemm
 _DW_BLOCK_BYTES = 1 << 19  # float64 bytes of depthwise output per block (plus two float32 accumulators)
+
 
 def _x_bound(dtype, x_zp: int) -> int | None:
     """max |x - x_zp| over an integer dtype of at most 16 bits; None for wider types (no static bound)."""
