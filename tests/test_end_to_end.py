@@ -158,3 +158,19 @@ def test_mobilenet_v2_quantizes_and_evaluates(tmp_path, shared_data):
     f = sess.run(None, {"input": x})[0]
     q = model.run({"input": x})["logits"]
     assert np.corrcoef(f.ravel(), q.ravel())[0, 1] > 0.8
+
+
+def test_efficientnet_lite0_from_the_cli(tmp_path, shared_data, capsys):
+    """EfficientNet-Lite0 (Shape->Gather->Unsqueeze->Concat->Reshape head) quantizes, runs and evaluates."""
+    out = tmp_path / "eff"
+    assert quantize_main([str(shared_data / "models" / "efficientnet_lite0.onnx"), "--calib-dir",
+                          str(shared_data / "photos" / "calib"), "--preset", "tf", "--max-images", "16",
+                          "-o", str(out), "-q"]) == 0
+    assert "float32" not in capsys.readouterr().out  # every op has a MACE uint8 kernel
+    model = load(out / "efficientnet_lite0.yml")
+    assert {op.type for op in model.ops} == {"Quantize", "Conv2D", "DepthwiseConv2d", "Eltwise", "Reduce",
+                                             "FullyConnected", "Dequantize"}
+    assert maceq_main(["eval", str(out / "efficientnet_lite0.yml"), "--images", str(shared_data / "photos" / "eval"),
+                       "-q", "--json", str(tmp_path / "e.json")]) == 0
+    rep = json.loads((tmp_path / "e.json").read_text())
+    assert rep["images"] == 91 and rep["float_top1_in_int8_top5"] >= 0.8
