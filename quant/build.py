@@ -422,9 +422,9 @@ class MaceBuilder:
     VIEW_OPS = ("Flatten", "Reshape", "Squeeze")
 
     # -- whole graph ---------------------------------------------------------------
-    def build(self, *, input_formats: dict[str, str], strict: bool = False) -> BuiltModel:
+    def build(self, *, input_formats: dict[str, str], strict: bool = False, fp32=frozenset()) -> BuiltModel:
         g = self.g
-        self.view_src, self.placement = place_nodes(g, strict=strict, shapes=self.shapes)
+        self.view_src, self.placement = place_nodes(g, strict=strict, shapes=self.shapes, fp32=fp32)
         consumers = g.consumers()
         for vi in g.inputs:
             self.float_name[vi.name] = vi.name
@@ -547,27 +547,46 @@ def uint8_capable(g: Graph, node: Node, shapes=None) -> bool:
     return True
 
 
-def place_nodes(g: Graph, *, strict: bool = False, shapes=None) -> tuple[dict[str, str], dict[str, str]]:
+def node_names(node: Node) -> list[str]:
+    """Every name a user may call a node by: its name, the names of nodes fused into it, its outputs."""
+    return [node.name, *node.attrs.get("maceq_names", []), *node.outputs]
+
+
+def select_nodes(g: Graph, patterns) -> set[str]:
+    """Names of the nodes any of the globs matches (fnmatch on :func:`node_names`)."""
+    import fnmatch
+
+    return {n.name for n in g.nodes
+            if any(fnmatch.fnmatchcase(name, p) for p in patterns for name in node_names(n))}
+
+
+def place_nodes(g: Graph, *, strict: bool = False, shapes=None, fp32=frozenset()
+                ) -> tuple[dict[str, str], dict[str, str]]:
     """Decide where each node runs: ``uint8`` (a MACE uint8 kernel) or ``float32`` (float fallback).
 
     Returns (views folded into FullyConnected: output -> input, placement by node name).
     A node with no uint8 kernel falls back to a float32 op with Dequantize/Quantize around it;
     with ``strict`` that is an error naming the node. A node neither path supports is an error.
+    Nodes named in ``fp32`` (user exemptions, mixed precision) run in float32 whatever their kernel.
     """
     consumers = g.consumers()
     views, placement = {}, {}
     for node in g.nodes:
         if node.op_type in MaceBuilder.VIEW_OPS:
             cons = consumers.get(node.outputs[0], [])
-            if (cons and all(c.op_type in ("Gemm", "MatMul") and uint8_capable(g, c, shapes) for c in cons)
+            if (cons and all(c.op_type in ("Gemm", "MatMul") and c.name not in fp32 and uint8_capable(g, c, shapes)
+                             for c in cons)
                     and node.outputs[0] not in g.outputs):
                 views[node.outputs[0]] = node.inputs[0]
                 continue
-        if uint8_capable(g, node, shapes):
+        if node.name not in fp32 and uint8_capable(g, node, shapes):
             placement[node.name] = UINT8
             continue
         if node.op_type not in FLOAT_EMITTABLE:
             raise MaceqError(f"node '{node.name}': unsupported op type '{node.op_type}' for the cpu device")
+        if node.name in fp32:
+            placement[node.name] = FLOAT
+            continue
         if strict:
             raise MaceqError(f"node '{node.name}' ({node.op_type}): no uint8 kernel on the cpu device; "
                              "it would fall back to float32 (refused by --strict)")
@@ -575,13 +594,13 @@ def place_nodes(g: Graph, *, strict: bool = False, shapes=None) -> tuple[dict[st
     return views, placement
 
 
-def check_supported(g: Graph, *, strict: bool = False, shapes=None) -> dict[str, str]:
+def check_supported(g: Graph, *, strict: bool = False, shapes=None, fp32=frozenset()) -> dict[str, str]:
     """Raise MaceqError naming the first node the cpu writer cannot emit; return the placement."""
-    return place_nodes(g, strict=strict, shapes=shapes)[1]
+    return place_nodes(g, strict=strict, shapes=shapes, fp32=fp32)[1]
 
 
 def build_mace_model(graph: Graph, ranges: dict[str, tuple[float, float]], shapes: dict[str, tuple[int, ...]],
                      *, model_name: str, input_formats: dict[str, str] | None = None,
-                     strict: bool = False) -> BuiltModel:
+                     strict: bool = False, fp32=frozenset()) -> BuiltModel:
     return MaceBuilder(graph, ranges, dict(shapes), model_name=model_name).build(
-        input_formats=input_formats or {}, strict=strict)
+        input_formats=input_formats or {}, strict=strict, fp32=fp32)

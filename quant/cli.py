@@ -133,6 +133,8 @@ def _quantize(argv) -> int:
     p.add_argument("--eval-dir", help="after quantizing, evaluate float vs int8 on this image folder")
     p.add_argument("--labels", help="labels CSV (file,label) for --eval-dir")
     p.add_argument("--name", help="model name for the output files (default: the ONNX file's stem)")
+    p.add_argument("--fp32", action="append", default=[], metavar="NAME",
+                   help="keep this layer in float32 (node or output name, glob allowed; repeatable)")
     p.add_argument("--strict", action="store_true",
                    help="fail instead of running ops without a uint8 kernel in float32 (float fallback)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -154,6 +156,8 @@ def _quantize(argv) -> int:
     config = load_config(args.config) if args.config else QuantConfig()
     config = config.with_cli(range_method=RangeMethod(args.range_method) if args.range_method else None,
                              percentile=args.percentile, batch_size=args.batch_size, max_images=args.max_images)
+    if args.fp32:
+        config = config.with_cli(fp32_layers=tuple(config.fp32_layers) + tuple(args.fp32))
     pre = _preprocess_from(args, config.preprocess)
     input_shape = _csv_numbers(args.input_shape, int, what="--input-shape") if args.input_shape else None
     name = args.name or Path(args.model).stem
@@ -168,7 +172,11 @@ def _quantize(argv) -> int:
           + (f" ({res.n_skipped} unreadable, skipped)" if res.n_skipped else ""))
     for label, path in (("graph", f.pb), ("weights", f.data), ("deployment", f.yml), ("ranges", f.ranges)):
         print(f"  {label:<10} {path}")
-    fallback = [n for n, where in res.placement.items() if where != "uint8"]
+    kept = set(res.fp32)
+    if kept:
+        print(f"{len(kept)} layers kept in float32 by request: " + ", ".join(sorted(kept)[:8])
+              + (" ..." if len(kept) > 8 else ""))
+    fallback = [n for n, where in res.placement.items() if where != "uint8" and n not in kept]
     if fallback:
         print(f"{len(fallback)} of {len(res.placement)} ops run in float32 (no uint8 kernel on the cpu device): "
               + ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8 else ""))

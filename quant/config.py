@@ -10,6 +10,7 @@ Example::
     layers:                       # per-tensor overrides by name glob; the most specific glob wins
       "/features/0/*": {range_method: min_max}
       "logits": {range_method: percentile, percentile: 99.9}
+    fp32_layers: ["/features/0/*"]   # keep these layers in float32 (mixed precision)
 
 Every key is validated; an unknown key is an error that names it.
 """
@@ -25,7 +26,7 @@ import yaml
 from maceq.calibrate.methods import RangeMethod
 from maceq.errors import MaceqError
 
-TOP_KEYS = {"range_method", "percentile", "batch_size", "max_images", "preprocess", "layers"}
+TOP_KEYS = {"range_method", "percentile", "batch_size", "max_images", "preprocess", "layers", "fp32_layers"}
 LAYER_KEYS = {"range_method", "percentile"}
 
 
@@ -44,6 +45,9 @@ class QuantConfig:
     max_images: int | None = None
     preprocess: dict | None = None
     layers: tuple[LayerOverride, ...] = field(default_factory=tuple)
+    #: Globs of layers kept in float32 (mixed precision); matched against node names, the names of
+    #: nodes fused into them, and their output tensor names.
+    fp32_layers: tuple[str, ...] = field(default_factory=tuple)
 
     def with_cli(self, **kw: Any) -> "QuantConfig":
         """Apply command-line values that were given (None means 'not given')."""
@@ -111,6 +115,11 @@ def config_from_dict(d: Any, *, source: str = "config") -> QuantConfig:
         if not isinstance(d["preprocess"], dict):
             raise MaceqError(f"{source}: preprocess must be a mapping")
         kw["preprocess"] = dict(d["preprocess"])
+    if "fp32_layers" in d:
+        v = d["fp32_layers"] or []
+        if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+            raise MaceqError(f"{source}: fp32_layers must be a list of layer-name globs")
+        kw["fp32_layers"] = tuple(v)
     layers = []
     for pattern, spec in (d.get("layers") or {}).items():
         where = f"{source}: layers['{pattern}']"

@@ -15,7 +15,7 @@ from maceq.calibrate.runner import collect
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import Preprocess
 from maceq.errors import MaceqError
-from maceq.quant.build import build_mace_model, check_supported
+from maceq.quant.build import build_mace_model, check_supported, select_nodes
 from maceq.quant.config import QuantConfig
 from maceq.quant.ir import Graph
 from maceq.quant.mace.format import write_model
@@ -33,6 +33,7 @@ class QuantizeResult:
     n_calib_images: int
     n_skipped: int
     model_name: str
+    fp32: frozenset = frozenset()  # nodes kept in float32 by request
 
 
 def tensors_to_calibrate(graph: Graph) -> list[str]:
@@ -79,7 +80,11 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     onnx_path = Path(onnx_path)
     name = model_name or onnx_path.stem
     opt, in_shapes, shapes = prepare_graph(onnx_path, input_shape=input_shape, preprocess=preprocess)
-    placement = check_supported(opt, strict=strict, shapes=shapes)  # fail before the (long) calibration
+    fp32 = select_nodes(opt, config.fp32_layers)
+    unmatched = [p for p in config.fp32_layers if not select_nodes(opt, [p])]
+    if unmatched:
+        raise MaceqError(f"fp32 layer pattern '{unmatched[0]}' matches no node of {onnx_path}")
+    placement = check_supported(opt, strict=strict, shapes=shapes, fp32=fp32)  # fail before the (long) calibration
     if len(opt.inputs) != 1:
         raise MaceqError(f"{onnx_path}: {len(opt.inputs)} inputs; image calibration supports one-input models")
     in_name = opt.inputs[0].name
@@ -96,7 +101,7 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     for t in names:
         method, pct = config.method_for(t)
         ranges[t] = compute_range(stats[t], method, percentile=pct)
-    built = build_mace_model(opt, ranges, shapes, model_name=name, strict=strict)
+    built = build_mace_model(opt, ranges, shapes, model_name=name, strict=strict, fp32=fp32)
     n_images = len(data) - data.skipped
     meta = {
         "source_model": str(onnx_path.resolve()),
@@ -111,11 +116,12 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
                             for ov in config.layers},
         "calibration_images": n_images,
         "input_shape": list(want),
-        "float_fallback": sorted(n for n, where in placement.items() if where != "uint8"),
+        "float_fallback": sorted(n for n, where in placement.items() if where != "uint8" and n not in fp32),
+        "fp32_layers": sorted(fp32),
     }
     meta.update(extra_meta or {})
     out_shape = {o: list(shapes[o]) for o in opt.outputs}
-    lo, hi = built.ranges[in_name]
+    lo, hi = ranges[in_name]
     subgraph = {
         "input_tensors": [in_name], "input_shapes": [",".join(map(str, want))],
         "input_data_formats": ["NCHW" if len(want) == 4 else "NONE"],
@@ -132,4 +138,4 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     files = write_model(out_dir, name, built.multi_net_def, built.arrays,
                         deployment={"platform": "onnx", "runtime": "cpu", "subgraphs": [subgraph]},
                         ranges=built.ranges, maceq=meta)
-    return QuantizeResult(files, opt, placement, n_images, data.skipped, name)
+    return QuantizeResult(files, opt, placement, n_images, data.skipped, name, frozenset(fp32))

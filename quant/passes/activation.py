@@ -45,6 +45,7 @@ def fuse_activations(g: Graph) -> int:
                 or len(consumers.get(act.inputs[0], [])) != 1 or act.inputs[0] in g.outputs):
             continue
         prod.attrs[ACT_ATTR] = (float(bounds[0]), float(bounds[1]))
+        prod.attrs["maceq_names"] = list(prod.attrs.get("maceq_names", [])) + [prod.name]
         prod.outputs = [act.outputs[0]]
         prod.name = act.name
         g.nodes.remove(act)
