@@ -777,6 +777,21 @@ def d32_execute(*, out_min, out_max, x_min, x_max, weights_level: float, bias, b
     raise MaceqError("nnlib supernode (d32): can't find an output range in 5 passes")
 
 
+def _d32_scalar_kernel(shape, acc):
+    """A ``d32_execute`` kernel from ``acc(b, y, x, channel, bias, in_offset) -> int32 sum``."""
+
+    def kernel(sc: D32Scaling, biasbuf):
+        y = np.zeros(shape, dtype=np.uint8)
+        vmin, vmax = 1 << 24, -(1 << 24)  # supernode_execute_strategy's initial min / max
+        for idx in np.ndindex(*shape):
+            q, raw = d32_requant(acc(*idx, biasbuf[idx[3]], sc.in_offset), sc.recip_val, sc.recip_shamt)
+            vmin, vmax = min(vmin, raw), max(vmax, raw)
+            y[idx] = q
+        return y, vmin, vmax
+
+    return kernel
+
+
 def dwise_gemsumb(w, filt_offset: int) -> list[int]:
     """``dwise_sumb``: per channel ``sum(w over the 4-padded taps, pads 0) - KH*KW*filt_offset``."""
     kh, kw, c, _ = w.shape
@@ -813,32 +828,21 @@ def depthwise_supernode_ref(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min,
     oh, ow, bh, bw = _geometry((h, wd), (kh, kw), (sh, sw), padding, op="DepthwiseSupernode")
     filt_offset = quantize_uint8(0.0, f32(w_min), f32(w_max))
 
-    def kernel(sc: D32Scaling, biasbuf):
-        y = np.zeros((n, oh, ow, c), dtype=np.uint8)
-        vmin, vmax = 1 << 24, -(1 << 24)
-        for b in range(n):
-            for oy in range(oh):
-                for ox in range(ow):
-                    for ch in range(c):
-                        s = biasbuf[ch]
-                        zum = 0
-                        for fy in range(kh):
-                            iy = oy * sh - bh + fy
-                            for fx in range(kw):
-                                ix = ox * sw - bw + fx
-                                inside = 0 <= iy < h and 0 <= ix < wd
-                                v = int(x[b, iy, ix, ch]) if inside else sc.in_offset  # zapped padding
-                                s = wrap32(s + v * int(w[fy, fx, ch, 0]))
-                                zum = wrap32(zum + v * filt_offset)
-                        q, raw = d32_requant(wrap32(s - zum), sc.recip_val, sc.recip_shamt)
-                        vmin, vmax = min(vmin, raw), max(vmax, raw)
-                        y[b, oy, ox, ch] = q
-        return y, vmin, vmax
+    def acc(b: int, oy: int, ox: int, ch: int, s: int, in_offset: int) -> int:
+        zum = 0
+        for fy in range(kh):
+            iy = oy * sh - bh + fy
+            for fx in range(kw):
+                ix = ox * sw - bw + fx
+                v = int(x[b, iy, ix, ch]) if (0 <= iy < h and 0 <= ix < wd) else in_offset  # zapped padding
+                s = wrap32(s + v * int(w[fy, fx, ch, 0]))
+                zum = wrap32(zum + v * filt_offset)
+        return wrap32(s - zum)
 
     return d32_execute(out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max,
                        weights_level=fdiv(fsub(f32(w_max), f32(w_min)), fmul(255.0, 1.0)),
                        bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=dwise_gemsumb(w, filt_offset),
-                       kernel=kernel)
+                       kernel=_d32_scalar_kernel((n, oh, ow, c), acc))
 
 
 def supernode_d32_model_ref(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min, out_max,
@@ -861,31 +865,22 @@ def supernode_d32_model_ref(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min,
     oh, ow, bh, bw = _geometry((h, wd), (kh, kw), (sh, sw), padding, op="Supernode")
     filt_offset = quantize_uint8(0.0, f32(w_min), f32(w_max))
 
-    def kernel(sc: D32Scaling, biasbuf):
-        y = np.zeros((n, oh, ow, o), dtype=np.uint8)
-        vmin, vmax = 1 << 24, -(1 << 24)
-        for b in range(n):
-            for oy in range(oh):
-                for ox in range(ow):
-                    for oz in range(o):
-                        s = biasbuf[oz]
-                        for fy in range(kh):
-                            iy = oy * sh - bh + fy
-                            for fx in range(kw):
-                                ix = ox * sw - bw + fx
-                                inside = 0 <= iy < h and 0 <= ix < wd
-                                for fz in range(c):
-                                    v = int(x[b, iy, ix, fz]) if inside else sc.in_offset
-                                    s = wrap32(s + v * (int(w[fy, fx, fz, oz]) - filt_offset))
-                        q, raw = d32_requant(s, sc.recip_val, sc.recip_shamt)
-                        vmin, vmax = min(vmin, raw), max(vmax, raw)
-                        y[b, oy, ox, oz] = q
-        return y, vmin, vmax
+    def acc(b: int, oy: int, ox: int, oz: int, s: int, in_offset: int) -> int:
+        for fy in range(kh):
+            iy = oy * sh - bh + fy
+            for fx in range(kw):
+                ix = ox * sw - bw + fx
+                inside = 0 <= iy < h and 0 <= ix < wd
+                for fz in range(c):
+                    v = int(x[b, iy, ix, fz]) if inside else in_offset
+                    s = wrap32(s + v * (int(w[fy, fx, fz, oz]) - filt_offset))
+        return s
 
     gemsumb = [sum(int(v) for v in w[:, :, :, oz].ravel()) - kh * kw * c * filt_offset for oz in range(o)]
     return d32_execute(out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max,
                        weights_level=fdiv(fsub(f32(w_max), f32(w_min)), 255.0),
-                       bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=gemsumb, kernel=kernel)
+                       bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=gemsumb,
+                       kernel=_d32_scalar_kernel((n, oh, ow, o), acc))
 
 
 def dwise_supported(*, kernel, strides, depth_multiplier: int = 1, channels=None, in_channels=None) -> tuple[bool, str]:
