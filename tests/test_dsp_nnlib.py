@@ -248,6 +248,22 @@ def _same(a, b):
     return int(np.sum(ya != yb)), all(float(p) == float(q) for p, q in zip(ra, rb))
 
 
+class _Tally:
+    """Mismatching elements and mismatching output ranges over many (scalar, fast) result pairs."""
+
+    def __init__(self):
+        self.mismatches = self.bad_ranges = self.elements = 0
+
+    def add(self, want, got):
+        m, ok = _same(want, got)
+        self.mismatches += m
+        self.bad_ranges += not ok
+        self.elements += want[0].size
+
+    def counts(self):
+        return self.mismatches, self.bad_ranges
+
+
 def _conv_case(rng, *, depthwise):
     n = int(rng.integers(1, 3))
     h, w = (int(v) for v in rng.integers(3, 8, 2))
@@ -281,37 +297,32 @@ def _conv_case(rng, *, depthwise):
 
 def test_supernode_ref_fast_equals_scalar():
     rng = np.random.default_rng(10)
-    mism = ranges_bad = elements = 0
+    tally = _Tally()
     for i in range(60):
         x, w, bias, kw = _conv_case(rng, depthwise=False)
         quirk = i % 4 == 3
-        a = r.supernode_ref(x, w, bias, ref_pad_quirk=quirk, **kw)
-        b = dsp.supernode(x, w, bias, ref_pad_quirk=quirk, **kw)
-        m, ok = _same(a, b)
-        mism, ranges_bad, elements = mism + m, ranges_bad + (not ok), elements + a[0].size
-    assert (mism, ranges_bad) == (0, 0) and elements > 1500
+        tally.add(r.supernode_ref(x, w, bias, ref_pad_quirk=quirk, **kw),
+                  dsp.supernode(x, w, bias, ref_pad_quirk=quirk, **kw))
+    assert tally.counts() == (0, 0) and tally.elements > 1500
 
 
 def test_supernode_d32_fast_equals_scalar():
     rng = np.random.default_rng(11)
-    mism = ranges_bad = 0
+    tally = _Tally()
     for _ in range(30):
         x, w, bias, kw = _conv_case(rng, depthwise=False)
-        a = r.supernode_d32_model_ref(x, w, bias, **kw)
-        b = dsp.supernode(x, w, bias, variant=dsp.SupernodeVariant.D32, **kw)
-        m, ok = _same(a, b)
-        mism, ranges_bad = mism + m, ranges_bad + (not ok)
-    assert (mism, ranges_bad) == (0, 0)
+        tally.add(r.supernode_d32_model_ref(x, w, bias, **kw),
+                  dsp.supernode(x, w, bias, variant=dsp.SupernodeVariant.D32, **kw))
+    assert tally.counts() == (0, 0)
 
 
 def test_depthwise_fast_equals_scalar():
     rng = np.random.default_rng(12)
-    mism = ranges_bad = 0
+    tally = _Tally()
     for _ in range(40):
         x, w, bias, kw = _conv_case(rng, depthwise=True)
-        m, ok = _same(r.depthwise_supernode_ref(x, w, bias, **kw), dsp.depthwise_supernode(x, w, bias, **kw))
-        mism, ranges_bad = mism + m, ranges_bad + (not ok)
-    assert (mism, ranges_bad) == (0, 0)
+        tally.add(r.depthwise_supernode_ref(x, w, bias, **kw), dsp.depthwise_supernode(x, w, bias, **kw))
+    assert tally.counts() == (0, 0)
 
 
 def test_relu_is_expressed_through_the_output_range():
@@ -327,7 +338,7 @@ def test_relu_is_expressed_through_the_output_range():
 
 def test_superfc_fast_equals_scalar():
     rng = np.random.default_rng(14)
-    mism = ranges_bad = 0
+    tally = _Tally()
     for _ in range(40):
         n, k, o = int(rng.integers(1, 4)), int(rng.integers(1, 60)), int(rng.integers(1, 9))
         x = rng.integers(0, 256, (n, k), dtype=np.uint8)
@@ -336,9 +347,8 @@ def test_superfc_fast_equals_scalar():
         out_min, out_max = _out_range(rng)
         kw = dict(x_min=_rand_range(rng)[0], x_max=_rand_range(rng)[1], w_min=_rand_range(rng, allow_positive=False)[0],
                   w_max=float(rng.uniform(0.1, 2)), bias_min=b_min, bias_max=b_max, out_min=out_min, out_max=out_max)
-        m, ok = _same(r.superfc_ref(x, w, bias, **kw), dsp.superfc(x, w, bias, **kw))
-        mism, ranges_bad = mism + m, ranges_bad + (not ok)
-    assert (mism, ranges_bad) == (0, 0)
+        tally.add(r.superfc_ref(x, w, bias, **kw), dsp.superfc(x, w, bias, **kw))
+    assert tally.counts() == (0, 0)
 
 
 def test_add_sub_fast_equals_scalar_on_all_pairs():
@@ -352,13 +362,12 @@ def test_add_sub_fast_equals_scalar_on_all_pairs():
         ((-1.0, 1.0), (-2.0, 0.5), (-INF, INF), False),  # self-found range, one rerun
         ((0.0, 6.0), (-1.0, 3.0), (-4.0, 7.0), True),
     ]
-    mism = ranges_bad = 0
+    tally = _Tally()
     for ra, rb, ro, sub in configs:
         kw = dict(a_min=ra[0], a_max=ra[1], b_min=rb[0], b_max=rb[1], out_min=ro[0], out_max=ro[1])
         fast = dsp.quantized_sub(a, b, **kw) if sub else dsp.quantized_add(a, b, **kw)
-        m, ok = _same(r.quantized_addsub_ref(a, b, subtract=sub, **kw), fast)
-        mism, ranges_bad = mism + m, ranges_bad + (not ok)
-    assert (mism, ranges_bad) == (0, 0)
+        tally.add(r.quantized_addsub_ref(a, b, subtract=sub, **kw), fast)
+    assert tally.counts() == (0, 0)
     za, sa = r.get_qu8_level_size_zero(-1.0, 1.0)
     zb, sb = r.get_qu8_level_size_zero(-0.5, 0.5)
     assert r.set_addsub_scaling(*r.adjust_minmax_for_zero_with_constraints(-0.01, 0.02, 3)[:2], (za, zb), (sa, sb),
@@ -367,7 +376,7 @@ def test_add_sub_fast_equals_scalar_on_all_pairs():
 
 def test_add_sub_fast_equals_scalar_random_configs():
     rng = np.random.default_rng(16)
-    mism = ranges_bad = 0
+    tally = _Tally()
     for i in range(40):
         shape = (1, int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.integers(1, 9)))
         a = rng.integers(0, 256, shape, dtype=np.uint8)
@@ -384,14 +393,13 @@ def test_add_sub_fast_equals_scalar_random_configs():
             with pytest.raises(MaceqError):
                 dsp.quantized_sub(a, b, **kw) if sub else dsp.quantized_add(a, b, **kw)
             continue
-        m, ok = _same(want, dsp.quantized_sub(a, b, **kw) if sub else dsp.quantized_add(a, b, **kw))
-        mism, ranges_bad = mism + m, ranges_bad + (not ok)
-    assert (mism, ranges_bad) == (0, 0)
+        tally.add(want, dsp.quantized_sub(a, b, **kw) if sub else dsp.quantized_add(a, b, **kw))
+    assert tally.counts() == (0, 0)
 
 
 def test_concat_and_pools_fast_equal_scalar():
     rng = np.random.default_rng(17)
-    mism = ranges_bad = 0
+    tally = _Tally()
     for _ in range(20):
         n, h, w = 1, int(rng.integers(1, 6)), int(rng.integers(1, 6))
         parts = [rng.integers(0, 256, (n, h, w, int(rng.integers(1, 5))), dtype=np.uint8)
@@ -399,8 +407,7 @@ def test_concat_and_pools_fast_equal_scalar():
         rngs = [_rand_range(rng) for _ in parts]
         if rng.random() < 0.3:
             rngs = [rngs[0]] * len(parts)  # unity gain: the asm copy shortcut
-        m, ok = _same(r.concat_ref(parts, axis=3, in_ranges=rngs), dsp.quantized_concat(parts, axis=3, in_ranges=rngs))
-        mism, ranges_bad = mism + m, ranges_bad + (not ok)
+        tally.add(r.concat_ref(parts, axis=3, in_ranges=rngs), dsp.quantized_concat(parts, axis=3, in_ranges=rngs))
     for _ in range(30):
         x = rng.integers(0, 256, (int(rng.integers(1, 3)), int(rng.integers(2, 9)), int(rng.integers(2, 9)),
                                   int(rng.integers(1, 4))), dtype=np.uint8)
@@ -413,14 +420,13 @@ def test_concat_and_pools_fast_equal_scalar():
                 dsp.quantized_maxpool(x, **kw)
             continue
         for ref, fast in ((r.maxpool_ref, dsp.quantized_maxpool), (r.avgpool_ref, dsp.quantized_avgpool)):
-            m, ok = _same(ref(x, **kw), fast(x, **kw))
-            mism, ranges_bad = mism + m, ranges_bad + (not ok)
-    assert (mism, ranges_bad) == (0, 0)
+            tally.add(ref(x, **kw), fast(x, **kw))
+    assert tally.counts() == (0, 0)
 
 
 def test_quantize_dequantize_fast_equal_scalar():
     rng = np.random.default_rng(18)
-    mism = ranges_bad = 0
+    tally = _Tally()
     for i in range(25):
         scale = float(10 ** rng.uniform(-4, 3))
         x = (rng.normal(size=int(rng.integers(1, 400))) * scale).astype(np.float32)
@@ -428,15 +434,13 @@ def test_quantize_dequantize_fast_equal_scalar():
             x = np.abs(x)  # no negatives: min = -0.0 path
         if i % 7 == 0:
             x[: len(x) // 2] = 0.0
-        m, ok = _same(r.quantize_input_ref(x), dsp.quantize_input(x))
-        mism, ranges_bad = mism + m, ranges_bad + (not ok)
+        tally.add(r.quantize_input_ref(x), dsp.quantize_input(x))
         lo, hi = -float(rng.uniform(0.01, 3)) * scale, float(rng.uniform(0.01, 3)) * scale
-        m, ok = _same(r.quantize_ref(x, min=lo, max=hi), dsp.quantize(x, min=lo, max=hi))
-        mism, ranges_bad = mism + m, ranges_bad + (not ok)
+        tally.add(r.quantize_ref(x, min=lo, max=hi), dsp.quantize(x, min=lo, max=hi))
         q = rng.integers(0, 256, 300, dtype=np.uint8)
-        mism += int(np.sum(r.dequantize_ref(q, min=lo, max=hi).view(np.uint32)
-                           != dsp.dequantize(q, min=lo, max=hi).view(np.uint32)))
-    assert (mism, ranges_bad) == (0, 0)
+        tally.add((r.dequantize_ref(q, min=lo, max=hi).view(np.uint32),),
+                  (dsp.dequantize(q, min=lo, max=hi).view(np.uint32),))
+    assert tally.counts() == (0, 0)
     # the quantizer is close to round((x - min)/step): within one code
     x = (rng.normal(size=1000) * 3).astype(np.float32)
     q, mn, mx = dsp.quantize_input(x)
