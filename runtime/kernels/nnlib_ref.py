@@ -587,7 +587,8 @@ def supernode_ref_params(x_min, x_max, w_min, w_max, bias_min, bias_max) -> tupl
             out_level, fdiv(bias_level, out_level))
 
 
-def supernode_ref_range(maxsum: int, minsum: int, out_level: float, out_min: float, out_max: float) -> tuple[float, float]:
+def supernode_ref_range(maxsum: int, minsum: int, out_level: float, out_min: float,
+                        out_max: float) -> tuple[float, float]:
     """supernode_check_ref + the retry recursion of supernode_execute_ref -> (final_min, final_max).
 
     The recursion re-runs the whole node; only the range carries over and the raw sums do
