@@ -22,7 +22,7 @@ from maceq.errors import MaceqError
 from maceq.quant.ir import ACT_ATTR, Graph, Node
 from maceq.quant.mace import mace_pb2
 from maceq.quant.mace.float_ops import FLOAT_EMITTABLE, cancel_inverse_transposes, emit_float_node
-from maceq.quant.scheme import AffineParams, adjust_range, quantize_bias, quantize_weights
+from maceq.quant.scheme import SCHEMES, AffineParams, adjust_range
 
 DT_FLOAT, DT_UINT8, DT_INT32 = mace_pb2.DT_FLOAT, mace_pb2.DT_UINT8, mace_pb2.DT_INT32
 FRAMEWORK_ONNX = 2
@@ -77,7 +77,11 @@ class MaceBuilder:
     """Builds one NetDef from an optimised IR graph for the cpu profile."""
 
     def __init__(self, graph: Graph, ranges: dict[str, tuple[float, float]], shapes: dict[str, tuple[int, ...]],
-                 *, model_name: str):
+                 *, model_name: str, device: str = "cpu"):
+        if device not in SCHEMES:
+            raise MaceqError(f"no quantization scheme for device '{device}' (available: {', '.join(SCHEMES)})")
+        self.scheme = SCHEMES[device]
+        self.device = device
         self.g = graph
         self.ranges = ranges
         self.shapes = shapes
@@ -181,7 +185,7 @@ class MaceBuilder:
             raise MaceqError(f"tensor '{tensor}' has no calibrated range")
         lo, hi = self.ranges[tensor]
         self.used_ranges[tensor] = (float(lo), float(hi))
-        return adjust_range(lo, hi, non_zero=False)
+        return self.scheme.activation(lo, hi)
 
     def _qinfo_msg(self, op, p: AffineParams):
         qi = op.quantize_info.add()
@@ -229,21 +233,30 @@ class MaceBuilder:
         self.qinfo[op.output[0]] = p
 
     # -- per-op emitters -----------------------------------------------------
-    def _weights_and_bias(self, node: Node, w_mace: np.ndarray, bias: np.ndarray | None):
-        """Quantize the weights (uint8, non-zero) and the bias (int32 at s_in*s_w)."""
-        wq, wp = quantize_weights(w_mace)
+    def _weights_and_bias(self, node: Node, w_mace: np.ndarray, bias: np.ndarray | None, *,
+                          depthwise: bool = False):
+        """Quantize the weights and the bias with the device's scheme (quant/scheme.py)."""
+        qw = self.scheme.weights(w_mace, out_axis_last_two=depthwise)
         wname = node.inputs[1]
-        self._add_const(wname, wq, DT_UINT8, wp)
+        if qw.params is not None:
+            self._add_const(wname, qw.codes, DT_UINT8, qw.params)
+        else:
+            self._add_const(wname, qw.codes.astype(np.int8), mace_pb2.DT_INT8,
+                            AffineParams(float(qw.channel_scales.max()), 0, 0.0, 0.0))
         names = [wname]
-        n_out = w_mace.shape[0] if node.op_type != "Conv" or not self._is_depthwise(node) else w_mace.shape[2] * w_mace.shape[3]
+        n_out = w_mace.shape[2] * w_mace.shape[3] if depthwise else w_mace.shape[0]
         if bias is None:
             bias = np.zeros(n_out, np.float32)
         # transformer.py: scale = quantize_info[input].scale * consts[filter].scale, both float32 fields.
         s_in = self._f32(self._in_q(node.inputs[0]).scale)
-        s_b = s_in * self._f32(wp.scale)
+        qb, s_b = self.scheme.bias(bias, s_in, qw)
         bname = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else node.name + "_bias"
-        self._add_const(bname, quantize_bias(bias, s_b), DT_INT32, AffineParams(s_b, 0, 0.0, 0.0))
+        self._add_const(bname, qb, DT_INT32, AffineParams(s_b, 0, 0.0, 0.0))
         names.append(bname)
+        if qw.channel_scales is not None:
+            sname = wname + "__scales"
+            self._add_const(sname, qw.channel_scales.astype(np.float32), DT_FLOAT, None)
+            names.append(sname)
         return names
 
     def _is_depthwise(self, node: Node) -> bool:
@@ -278,7 +291,7 @@ class MaceBuilder:
             raise MaceqError(f"node '{node.name}' (Conv): MACE's uint8 Conv2D rejects dilation > 1")
         op = self._new_op(op_name, "DepthwiseConv2d" if depthwise else "Conv2D", [], [out_name], source=node.name)
         op.input.append(self._src(node.inputs[0]))
-        op.input.extend(self._weights_and_bias(node, w_mace, bias))
+        op.input.extend(self._weights_and_bias(node, w_mace, bias, depthwise=depthwise))
         self._common(op)
         _arg(op, "strides", node.attr("strides", [1, 1]))
         _arg(op, "kernels", list(w.shape[2:]))
@@ -601,6 +614,6 @@ def check_supported(g: Graph, *, strict: bool = False, shapes=None, fp32=frozens
 
 def build_mace_model(graph: Graph, ranges: dict[str, tuple[float, float]], shapes: dict[str, tuple[int, ...]],
                      *, model_name: str, input_formats: dict[str, str] | None = None,
-                     strict: bool = False, fp32=frozenset()) -> BuiltModel:
-    return MaceBuilder(graph, ranges, dict(shapes), model_name=model_name).build(
+                     strict: bool = False, fp32=frozenset(), device: str = "cpu") -> BuiltModel:
+    return MaceBuilder(graph, ranges, dict(shapes), model_name=model_name, device=device).build(
         input_formats=input_formats or {}, strict=strict, fp32=fp32)

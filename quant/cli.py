@@ -133,6 +133,8 @@ def _quantize(argv) -> int:
     p.add_argument("--eval-dir", help="after quantizing, evaluate float vs int8 on this image folder")
     p.add_argument("--labels", help="labels CSV (file,label) for --eval-dir")
     p.add_argument("--name", help="model name for the output files (default: the ONNX file's stem)")
+    p.add_argument("--device", default="cpu",
+                   help="target device(s), comma-separated: cpu, gpu, dsp (one model per device)")
     p.add_argument("--fp32", action="append", default=[], metavar="NAME",
                    help="keep this layer in float32 (node or output name, glob allowed; repeatable)")
     p.add_argument("--strict", action="store_true",
@@ -166,12 +168,14 @@ def _quantize(argv) -> int:
         warnings.simplefilter("ignore" if args.quiet else "default")
         res = quantize(args.model, args.calib_dir, output_dir=out, preprocess=pre, config=config,
                        input_shape=input_shape, model_name=name, progress=not args.quiet, extra_meta=extra_meta,
-                       strict=args.strict)
-    f = res.files
-    print(f"quantized {args.model} for the cpu device on {res.n_calib_images} calibration images"
+                       strict=args.strict, devices=tuple(d.strip() for d in args.device.split(",") if d.strip()))
+    print(f"quantized {args.model} for {', '.join(res.per_device)} on {res.n_calib_images} calibration images"
           + (f" ({res.n_skipped} unreadable, skipped)" if res.n_skipped else ""))
-    for label, path in (("graph", f.pb), ("weights", f.data), ("deployment", f.yml), ("ranges", f.ranges)):
-        print(f"  {label:<10} {path}")
+    for device, f in res.per_device.items():
+        if len(res.per_device) > 1:
+            print(f"  [{device}]")
+        for label, path in (("graph", f.pb), ("weights", f.data), ("deployment", f.yml), ("ranges", f.ranges)):
+            print(f"  {label:<10} {path}")
     kept = set(res.fp32)
     if kept:
         print(f"{len(kept)} layers kept in float32 by request: " + ", ".join(sorted(kept)[:8])
@@ -181,14 +185,14 @@ def _quantize(argv) -> int:
         print(f"{len(fallback)} of {len(res.placement)} ops run in float32 (no uint8 kernel on the cpu device): "
               + ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8 else ""))
     if args.eval_dir:
-        model = load(f.yml)
         classes = extra_meta.get("classes")
         labels = args.labels or "auto"
         data = ImageFolder(args.eval_dir, pre, labels=labels, classes=classes)
-        result = evaluate(model, args.model, data, device="cpu", progress=not args.quiet)
         print(f"evaluation on {args.eval_dir}:")
-        for line in result.lines():
-            print(line)
+        for device, f in res.per_device.items():
+            result = evaluate(load(f.yml), args.model, data, device=device, progress=not args.quiet)
+            for line in result.lines():
+                print(line)
     return 0
 
 
@@ -234,7 +238,7 @@ def _cmd_run(args) -> int:
     model = load(args.qmodel)
     pre = _preprocess_from(args, model.maceq_meta.get("preprocess"))
     x = _load_input(args.input, model, pre)
-    outs = model.run({model.input_names[0]: x}, device=args.device)
+    outs = model.run({model.input_names[0]: x}, device=args.device or model.maceq_meta.get("device", "cpu"))
     out_path = Path(args.output) if args.output else None
     if out_path is not None:
         if len(outs) == 1:
@@ -268,6 +272,7 @@ def _cmd_eval(args) -> int:
     float_model = args.float_model or meta.get("source_model")
     if not float_model:
         raise MaceqError(f"{args.qmodel}: no source model recorded; pass --float-model")
+    args.device = args.device or meta.get("device", "cpu")
     if args.task == "segmentation":
         data = ImageFolder(args.images, pre, labels=None)
         result = evaluate_segmentation(model, float_model, data, device=args.device, threshold=args.threshold,
@@ -318,14 +323,14 @@ def _maceq(argv) -> int:
     r = sub.add_parser("run", help="run one input through the int8 model")
     r.add_argument("qmodel", help="the model's deployment .yml or .pb")
     r.add_argument("--input", required=True, help="an image or a .npy array")
-    r.add_argument("--device", default="cpu")
+    r.add_argument("--device", default=None, help="device to simulate (default: the one the model was quantized for)")
     r.add_argument("-o", "--output", help="write the dequantized outputs to this .npy (.npz for several)")
     _add_preprocess_args(r)
     e = sub.add_parser("eval", help="float vs int8 agreement and accuracy on an image folder")
     e.add_argument("qmodel")
     e.add_argument("--images", required=True, help="image folder (class subfolders give labels)")
     e.add_argument("--labels", help="labels CSV (file,label)")
-    e.add_argument("--device", default="cpu")
+    e.add_argument("--device", default=None, help="device to simulate (default: the one the model was quantized for)")
     e.add_argument("--float-model", help="float ONNX model (default: the one recorded at quantization)")
     e.add_argument("--json", help="also write the metrics to this JSON file")
     e.add_argument("--task", choices=["classification", "segmentation"], default="classification",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from maceq.calibrate.methods import compute_range
@@ -34,6 +34,7 @@ class QuantizeResult:
     n_skipped: int
     model_name: str
     fp32: frozenset = frozenset()  # nodes kept in float32 by request
+    per_device: dict = field(default_factory=dict)  # device -> ModelFiles
 
 
 def tensors_to_calibrate(graph: Graph) -> list[str]:
@@ -75,8 +76,17 @@ def prepare_graph(onnx_path: str | os.PathLike, *, input_shape: list[int] | None
 def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, output_dir: str | os.PathLike,
              preprocess: Preprocess, config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None,
              model_name: str | None = None, progress: bool = True, extra_meta: dict | None = None,
-             strict: bool = False) -> QuantizeResult:
-    """Quantize ``onnx_path`` for the cpu device, calibrating on the images in ``calib_dir``."""
+             strict: bool = False, devices: tuple[str, ...] = ("cpu",)) -> QuantizeResult:
+    """Quantize ``onnx_path`` for each device, calibrating once on the images in ``calib_dir``.
+
+    One device writes into ``output_dir``; several write one model each into ``output_dir/<device>/``.
+    ``result.files`` is the first device's; ``result.per_device`` has them all.
+    """
+    from maceq.runtime.profiles import Device
+
+    devices = tuple(Device.parse(d).value for d in devices)
+    if not devices or len(set(devices)) != len(devices):
+        raise MaceqError(f"--device: give each device once, got {','.join(devices) or 'none'}")
     onnx_path = Path(onnx_path)
     name = model_name or onnx_path.stem
     opt, in_shapes, shapes = prepare_graph(onnx_path, input_shape=input_shape, preprocess=preprocess)
@@ -101,12 +111,10 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     for t in names:
         method, pct = config.method_for(t)
         ranges[t] = compute_range(stats[t], method, percentile=pct)
-    built = build_mace_model(opt, ranges, shapes, model_name=name, strict=strict, fp32=fp32)
     n_images = len(data) - data.skipped
     meta = {
         "source_model": str(onnx_path.resolve()),
         "source_sha256": _sha256(onnx_path),
-        "device": "cpu",
         "preprocess": preprocess.to_dict(),
         "range_method": config.range_method.value,
         "percentile": config.percentile,
@@ -130,12 +138,22 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
         "output_shapes": [",".join(map(str, out_shape[o])) for o in opt.outputs],
         "output_data_formats": ["NCHW" if len(out_shape[o]) == 4 else "NONE" for o in opt.outputs],
     }
-    out_dir = Path(output_dir)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise MaceqError(f"{out_dir}: cannot create the output folder ({e.strerror})") from None
-    files = write_model(out_dir, name, built.multi_net_def, built.arrays,
-                        deployment={"platform": "onnx", "runtime": "cpu", "subgraphs": [subgraph]},
-                        ranges=built.ranges, maceq=meta)
-    return QuantizeResult(files, opt, placement, n_images, data.skipped, name, frozenset(fp32))
+    per_device = {}
+    for device in devices:
+        built = build_mace_model(opt, ranges, shapes, model_name=name, strict=strict, fp32=fp32, device=device)
+        out_dir = Path(output_dir) if len(devices) == 1 else Path(output_dir) / device
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MaceqError(f"{out_dir}: cannot create the output folder ({e.strerror})") from None
+        per_device[device] = write_model(
+            out_dir, name, built.multi_net_def, built.arrays,
+            deployment={"platform": "onnx", "runtime": MACE_RUNTIME[device], "subgraphs": [subgraph]},
+            ranges=built.ranges, maceq={**meta, "device": device})
+    result = QuantizeResult(per_device[devices[0]], opt, placement, n_images, data.skipped, name, frozenset(fp32))
+    result.per_device = per_device
+    return result
+
+
+#: The deployment yml's ``runtime`` key for each device (MACE's names).
+MACE_RUNTIME = {"cpu": "cpu", "gpu": "gpu", "dsp": "dsp"}

@@ -72,3 +72,72 @@ def quantize_bias(b: np.ndarray, scale: float) -> np.ndarray:
     if np.any(np.abs(q) > 2**31 - 1):
         raise MaceqError("bias does not fit in int32 at scale %g" % scale)
     return q.astype(np.int32)
+
+
+# -- per-device weight schemes -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantizedWeights:
+    """Quantized weights in the MACE layout the op reads.
+
+    ``params`` is the per-tensor affine quantization (uint8 schemes); ``channel_scales`` the
+    float32 per-output-channel scales (symmetric int8 schemes), in output-channel order.
+    """
+
+    codes: np.ndarray
+    params: AffineParams | None = None
+    channel_scales: np.ndarray | None = None
+
+
+class CpuScheme:
+    """MACE's CPU converter rules: uint8 asymmetric per-tensor weights in [1, 255], int32 bias at s_in*s_w."""
+
+    name = "cpu"
+    per_channel = False
+
+    def activation(self, lo: float, hi: float) -> AffineParams:
+        return adjust_range(lo, hi, non_zero=False)
+
+    def weights(self, w: np.ndarray, *, out_axis_last_two: bool = False) -> QuantizedWeights:
+        q, p = quantize_weights(w)
+        return QuantizedWeights(q, params=p)
+
+    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, float]:
+        s_b = float(np.float32(s_in)) * float(np.float32(qw.params.scale))
+        return quantize_bias(b, s_b), s_b
+
+
+class GpuScheme(CpuScheme):
+    """The gpu device: uint8 activations, int8 symmetric per-output-channel weights, int32 bias per channel.
+
+    Weight codes come from :func:`maceq.runtime.kernels.gpu.gpu_quantize_weights` (scale = max|w|/127
+    in float32, round half to even); the bias of channel c is round(b[c] / (s_in * s_w[c])), with the
+    product in float32, as the gpu kernels' host code forms it.
+    """
+
+    name = "gpu"
+    per_channel = True
+
+    def weights(self, w: np.ndarray, *, out_axis_last_two: bool = False) -> QuantizedWeights:
+        from maceq.runtime.kernels.gpu import gpu_quantize_weights
+
+        w = np.asarray(w, dtype=np.float32)
+        if out_axis_last_two:  # depthwise [KH, KW, C, M]: output channel c*M + m
+            kh, kw, c, m = w.shape
+            flat = w.reshape(kh * kw, c * m).T
+            q, scales = gpu_quantize_weights(flat)
+            return QuantizedWeights(q.T.reshape(kh, kw, c, m), channel_scales=scales)
+        q, scales = gpu_quantize_weights(w)
+        return QuantizedWeights(q, channel_scales=scales)
+
+    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, float]:
+        s_c = (np.float32(s_in) * qw.channel_scales.astype(np.float32)).astype(np.float64)
+        data = np.asarray(b, dtype=np.float64)
+        q = np.round(data / s_c)
+        if np.any(np.abs(q) > 2**31 - 1):
+            raise MaceqError("bias does not fit in int32 at its per-channel scale")
+        return q.astype(np.int32), 0.0
+
+
+SCHEMES = {"cpu": CpuScheme(), "gpu": GpuScheme()}

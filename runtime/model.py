@@ -15,6 +15,7 @@ import numpy as np
 from maceq.errors import MaceqError
 from maceq.runtime import ops as _ops  # noqa: F401  (registers the kernels)
 from maceq.runtime import ops_float as _ops_float  # noqa: F401
+from maceq.runtime import ops_gpu as _ops_gpu  # noqa: F401
 from maceq.runtime import ops_shape as _ops_shape  # noqa: F401
 from maceq.runtime.graph import RtOp, parse_ops
 from maceq.runtime.profiles import DeviceProfile, get_profile
@@ -111,6 +112,10 @@ class Model:
     def run(self, inputs: dict[str, np.ndarray], *, device: str = "cpu", intermediates: bool = False):
         """Run the model on float inputs; returns {output: float32 array}, or a RunResult with intermediates."""
         profile = get_profile(device)
+        built_for = self.maceq_meta.get("device")
+        if built_for and built_for != profile.device.value:
+            raise MaceqError(f"this model was quantized for the {built_for} device; run it with --device {built_for} "
+                             f"(or quantize again with --device {profile.device.value})")
         values: dict[str, QTensor] = {}
         for name in self.input_names:
             if name not in inputs:

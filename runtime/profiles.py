@@ -40,12 +40,14 @@ class Requant(Enum):
     GEMMLOWP = "gemmlowp"              # multiply_by_quantized_multiplier, + zp, clamp
     FLOAT32_ROUNDF = "float32_roundf"  # roundf(float(acc) * M + zp), clamp (MACE q8 gemv)
     FLOAT32_ROUND_THEN_ZP = "float32_round_then_zp"  # roundf(float(acc) * M) + zp, clamp (MACE DepthwiseConv2dGeneral)
+    FLOAT32_RTE = "float32_rte"  # convert_uchar_sat_rte(f32(acc) * scale_c + zp), no FMA (gpu OpenCL kernels)
 
 
 class InputQuantize(Enum):
     """How the input Quantize op maps float to uint8."""
 
     NEON_TRUNC = "neon_trunc"  # trunc(zp + 0.5 + x * (1/s)), float32 steps (MACE quantize.h, NEON)
+    FLOAT32_RTE = "float32_rte"  # sat_rte(x * f32(1/s) + zp), float32 steps (gpu quantize_f32 kernel)
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,23 @@ CPU = DeviceProfile(
     honours_activation_args=False,
 )
 
-PROFILES: dict[Device, DeviceProfile] = {Device.CPU: CPU}
+GPU = DeviceProfile(
+    device=Device.GPU,
+    description="OpenCL int8 kernels (MNN-style): int8 symmetric per-channel weights, float32 RTE requantization, "
+                "fp16_fp32 float path for ops without an integer kernel",
+    multiplier_rule=MultiplierRule.FLOAT32,
+    conv_requant=Requant.FLOAT32_RTE,
+    depthwise_requant=Requant.FLOAT32_RTE,
+    dilated_depthwise_requant=Requant.FLOAT32_RTE,
+    fc_requant=Requant.FLOAT32_RTE,
+    fc_rescales_bias=False,
+    input_quantize=InputQuantize.FLOAT32_RTE,
+    conv_rescales_bias=False,
+    find_range_every_time=False,
+    honours_activation_args=False,
+)
+
+PROFILES: dict[Device, DeviceProfile] = {Device.CPU: CPU, Device.GPU: GPU}
 
 
 def get_profile(device: "str | Device") -> DeviceProfile:
