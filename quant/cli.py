@@ -238,7 +238,8 @@ def _cmd_run(args) -> int:
     model = load(args.qmodel)
     pre = _preprocess_from(args, model.maceq_meta.get("preprocess"))
     x = _load_input(args.input, model, pre)
-    outs = model.run({model.input_names[0]: x}, device=args.device or model.maceq_meta.get("device", "cpu"))
+    outs = model.run({model.input_names[0]: x}, device=args.device or model.maceq_meta.get("device", "cpu"),
+                     backend=args.backend)
     out_path = Path(args.output) if args.output else None
     if out_path is not None:
         if len(outs) == 1:
@@ -325,6 +326,9 @@ def _maceq(argv) -> int:
     r.add_argument("--input", required=True, help="an image or a .npy array")
     r.add_argument("--device", default=None, help="device to simulate (default: the one the model was quantized for)")
     r.add_argument("-o", "--output", help="write the dequantized outputs to this .npy (.npz for several)")
+    r.add_argument("--backend", choices=["numpy", "opencl"], default="numpy",
+                   help="numpy: the bit-exact simulation (default); opencl: run the gpu device's OpenCL kernels "
+                        "(pip install 'maceq[opencl]')")
     _add_preprocess_args(r)
     e = sub.add_parser("eval", help="float vs int8 agreement and accuracy on an image folder")
     e.add_argument("qmodel")

@@ -88,14 +88,16 @@ class Model:
             return (dims[0], dims[3], dims[1], dims[2])
         return dims
 
-    def _kernel(self, op: RtOp, profile: DeviceProfile):
+    def _kernel(self, op: RtOp, profile: DeviceProfile, backend: str = "numpy"):
         dtype = DType.from_mace(op.arg("T"))
         if op.type in ("Quantize", "Dequantize"):
             dtype = DType.UINT8  # their T is the quantized side
-        key = (profile.device, op.type, dtype)
+        key = (profile.device, op.type, dtype, backend)
         k = self._kernels.get(key)
         if k is None:
             k = self._kernels[key] = lookup(op.type, profile.device, dtype=dtype, op_name=op.name)()
+            if backend != "numpy" and hasattr(k, "backend"):
+                k.backend = _backend(backend)
         return k
 
     def _prepare(self, idx: int, op: RtOp, kernel, in_q: tuple, profile: DeviceProfile):
@@ -109,9 +111,18 @@ class Model:
             self._prepared[key] = params
         return params
 
-    def run(self, inputs: dict[str, np.ndarray], *, device: str = "cpu", intermediates: bool = False):
-        """Run the model on float inputs; returns {output: float32 array}, or a RunResult with intermediates."""
+    def run(self, inputs: dict[str, np.ndarray], *, device: str = "cpu", intermediates: bool = False,
+            backend: str = "numpy"):
+        """Run the model on float inputs; returns {output: float32 array}, or a RunResult with intermediates.
+
+        ``backend``: "numpy" (the bit-exact simulation, default) or "opencl" (the gpu device's real
+        OpenCL kernels through pyopencl; ops without an OpenCL kernel still use the simulation).
+        """
         profile = get_profile(device)
+        if backend not in ("numpy", "opencl"):
+            raise MaceqError(f"unknown backend '{backend}' (choose numpy or opencl)")
+        if backend == "opencl" and profile.device.value != "gpu":
+            raise MaceqError("--backend opencl runs the gpu device's kernels: use it with --device gpu")
         built_for = self.maceq_meta.get("device")
         if built_for and built_for != profile.device.value:
             raise MaceqError(f"this model was quantized for the {built_for} device; run it with --device {built_for} "
@@ -132,7 +143,7 @@ class Model:
             if name not in self.input_info:
                 raise MaceqError(f"unknown input '{name}' (model inputs: {', '.join(self.input_names)})")
         for idx, op in enumerate(self.ops):
-            kernel = self._kernel(op, profile)
+            kernel = self._kernel(op, profile, backend)
             ins = []
             for i in op.inputs:
                 if i in values:
@@ -161,6 +172,18 @@ class Model:
         if intermediates:
             return RunResult(outputs, values)
         return outputs
+
+
+_BACKENDS: dict = {}
+
+
+def _backend(name: str):
+    """The shared OpenCL backend (created on first use: context and programs are built once)."""
+    if name not in _BACKENDS:
+        from maceq.runtime.opencl.backend import OpenCLBackend
+
+        _BACKENDS[name] = OpenCLBackend()
+    return _BACKENDS[name]
 
 
 def load(path: str | os.PathLike) -> Model:

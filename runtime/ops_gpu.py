@@ -22,6 +22,21 @@ from maceq.runtime.registry import register
 GPU = Device.GPU
 
 
+class NumpyGpuBackend:
+    """The default gpu backend: the numpy simulation, with the OpenCLBackend's method names."""
+
+    def __getattr__(self, name):
+        return getattr(K, "gpu_" + name)
+
+
+NUMPY = NumpyGpuBackend()
+
+
+class _UsesBackend:
+    #: Set by the model to an OpenCLBackend for `--backend opencl`; the numpy simulation otherwise.
+    backend = NUMPY
+
+
 def _qt(values, q):
     from maceq.runtime.model import QTensor
 
@@ -52,7 +67,7 @@ class GpuConvParams:
         return QInfo(float(np.int32(self.out_scale_bits).view(np.float32)), self.out_zp)
 
 
-class _GpuConvBase:
+class _GpuConvBase(_UsesBackend):
     def prepare(self, op: RtOp, in_q, ctx) -> GpuConvParams:
         if len(op.inputs) < 4 or op.inputs[3] not in ctx.consts:
             raise MaceqError(f"op '{op.name}' ({op.type}): the gpu device needs int8 per-channel weights with a "
@@ -71,7 +86,7 @@ class _GpuConvBase:
 @register("Conv2D", device=GPU)
 class GpuConv2D(_GpuConvBase):
     def run(self, p: GpuConvParams, inputs):
-        y = K.gpu_conv2d(inputs[0].values, inputs[1].values, inputs[2].values, x_zp=p.x_zp, out_zp=p.out_zp,
+        y = self.backend.conv2d(inputs[0].values, inputs[1].values, inputs[2].values, x_zp=p.x_zp, out_zp=p.out_zp,
                          scale_c=p.scale_c, strides=p.strides, pads=p.pads, dilations=p.dilations)
         return [_qt(y, p.out_q)]
 
@@ -79,7 +94,7 @@ class GpuConv2D(_GpuConvBase):
 @register("DepthwiseConv2d", device=GPU)
 class GpuDepthwiseConv2d(_GpuConvBase):
     def run(self, p: GpuConvParams, inputs):
-        y = K.gpu_depthwise_conv2d(inputs[0].values, inputs[1].values, inputs[2].values, x_zp=p.x_zp,
+        y = self.backend.depthwise_conv2d(inputs[0].values, inputs[1].values, inputs[2].values, x_zp=p.x_zp,
                                    out_zp=p.out_zp, scale_c=p.scale_c, strides=p.strides, pads=p.pads,
                                    dilations=p.dilations)
         return [_qt(y, p.out_q)]
@@ -90,7 +105,7 @@ class GpuFullyConnected(_GpuConvBase):
     def run(self, p: GpuConvParams, inputs):
         x, w = inputs[0].values, inputs[1].values
         n = x.shape[0]
-        y = K.gpu_fully_connected(x.reshape(n, -1), w.reshape(w.shape[0], -1), inputs[2].values, x_zp=p.x_zp,
+        y = self.backend.fully_connected(x.reshape(n, -1), w.reshape(w.shape[0], -1), inputs[2].values, x_zp=p.x_zp,
                                   out_zp=p.out_zp, scale_c=p.scale_c)
         return [_qt(y.reshape(n, 1, 1, -1), p.out_q)]
 
@@ -103,7 +118,7 @@ class GpuEltwiseParams:
 
 
 @register("Eltwise", device=GPU)
-class GpuEltwise:
+class GpuEltwise(_UsesBackend):
     def prepare(self, op: RtOp, in_q, ctx) -> GpuEltwiseParams:
         kind = int(op.arg("type", 0))
         if kind not in (0, 1):
@@ -114,7 +129,7 @@ class GpuEltwise:
     def run(self, p: GpuEltwiseParams, inputs):
         a, b = inputs
         out_scale = float(np.int32(p.out_scale_bits).view(np.float32))
-        y = K.gpu_eltwise_add(a.values, b.values, a_scale=a.qinfo.scale, a_zp=a.qinfo.zero_point,
+        y = self.backend.eltwise_add(a.values, b.values, a_scale=a.qinfo.scale, a_zp=a.qinfo.zero_point,
                               b_scale=b.qinfo.scale, b_zp=b.qinfo.zero_point, out_scale=out_scale,
                               out_zp=p.out_zp, subtract=p.subtract)
         return [_qt(y, QInfo(out_scale, p.out_zp))]
@@ -129,13 +144,13 @@ class GpuPoolParams:
 
 
 @register("Pooling", device=GPU)
-class GpuPooling:
+class GpuPooling(_UsesBackend):
     def prepare(self, op: RtOp, in_q, ctx) -> GpuPoolParams:
         return GpuPoolParams(int(op.require("pooling_type")), tuple(op.require("kernels")),
                              tuple(op.arg("strides", [1, 1])), _pads(op))
 
     def run(self, p: GpuPoolParams, inputs):
-        fn = K.gpu_max_pool if p.kind == 2 else K.gpu_avg_pool
+        fn = self.backend.max_pool if p.kind == 2 else self.backend.avg_pool
         return [_qt(fn(inputs[0].values, kernel=p.kernel, strides=p.strides, pads=p.pads), inputs[0].qinfo)]
 
 
@@ -145,7 +160,7 @@ class GpuReduceParams:
 
 
 @register("Reduce", device=GPU)
-class GpuReduce:
+class GpuReduce(_UsesBackend):
     def prepare(self, op: RtOp, in_q, ctx) -> GpuReduceParams:
         axes = tuple(op.arg("axis", [1, 2]))
         if int(op.arg("reduce_type", 0)) != 0 or axes != (1, 2):
@@ -153,7 +168,7 @@ class GpuReduce:
         return GpuReduceParams(axes)
 
     def run(self, p: GpuReduceParams, inputs):
-        return [_qt(K.gpu_global_avg_pool(inputs[0].values), inputs[0].qinfo)]
+        return [_qt(self.backend.global_avg_pool(inputs[0].values), inputs[0].qinfo)]
 
 
 @dataclass(frozen=True)
@@ -164,14 +179,14 @@ class GpuConcatParams:
 
 
 @register("Concat", device=GPU)
-class GpuConcat:
+class GpuConcat(_UsesBackend):
     def prepare(self, op: RtOp, in_q, ctx) -> GpuConcatParams:
         return GpuConcatParams(int(op.arg("axis", 3)), int(np.float32(op.out_qinfo[0].scale).view(np.int32)),
                                op.out_qinfo[0].zero_point)
 
     def run(self, p: GpuConcatParams, inputs):
         out_scale = float(np.int32(p.out_scale_bits).view(np.float32))
-        y = K.gpu_concat([t.values for t in inputs], axis=p.axis, in_qinfos=[t.qinfo for t in inputs],
+        y = self.backend.concat([t.values for t in inputs], axis=p.axis, in_qinfos=[t.qinfo for t in inputs],
                          out_scale=out_scale, out_zp=p.out_zp)
         return [_qt(y, QInfo(out_scale, p.out_zp))]
 
@@ -183,7 +198,7 @@ class GpuSoftmaxParams:
 
 
 @register("Softmax", device=GPU)
-class GpuSoftmax:
+class GpuSoftmax(_UsesBackend):
     """No integer kernel: MACE's fp16_fp32 float path (half storage at the op boundaries)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> GpuSoftmaxParams:
@@ -192,7 +207,7 @@ class GpuSoftmax:
     def run(self, p: GpuSoftmaxParams, inputs):
         x = inputs[0]
         out_scale = float(np.int32(p.out_scale_bits).view(np.float32))
-        y = K.gpu_float_softmax(x.values, in_scale=x.qinfo.scale, in_zp=x.qinfo.zero_point, out_scale=out_scale,
+        y = self.backend.float_softmax(x.values, in_scale=x.qinfo.scale, in_zp=x.qinfo.zero_point, out_scale=out_scale,
                                 out_zp=p.out_zp)
         return [_qt(y, QInfo(out_scale, p.out_zp))]
 
@@ -204,14 +219,14 @@ class GpuQuantizeParams:
 
 
 @register("Quantize", device=GPU)
-class GpuQuantize:
+class GpuQuantize(_UsesBackend):
     def prepare(self, op: RtOp, in_q, ctx) -> GpuQuantizeParams:
         q = op.out_qinfo[0]
         return GpuQuantizeParams(int(np.float32(q.scale).view(np.int32)), q.zero_point)
 
     def run(self, p: GpuQuantizeParams, inputs):
         scale = float(np.int32(p.scale_bits).view(np.float32))
-        y = K.gpu_quantize(np.asarray(inputs[0].values, np.float32), scale=scale, zero_point=p.zero_point)
+        y = self.backend.quantize(np.asarray(inputs[0].values, np.float32), scale=scale, zero_point=p.zero_point)
         return [_qt(y, QInfo(scale, p.zero_point))]
 
 
@@ -221,10 +236,10 @@ class GpuDequantizeParams:
 
 
 @register("Dequantize", device=GPU)
-class GpuDequantize:
+class GpuDequantize(_UsesBackend):
     def prepare(self, op: RtOp, in_q, ctx) -> GpuDequantizeParams:
         return GpuDequantizeParams()
 
     def run(self, p, inputs):
         t = inputs[0]
-        return [_qt(K.gpu_dequantize(t.values, scale=t.qinfo.scale, zero_point=t.qinfo.zero_point), None)]
+        return [_qt(self.backend.dequantize(t.values, scale=t.qinfo.scale, zero_point=t.qinfo.zero_point), None)]
