@@ -249,9 +249,9 @@ class MaceBuilder:
             bias = np.zeros(n_out, np.float32)
         # transformer.py: scale = quantize_info[input].scale * consts[filter].scale, both float32 fields.
         s_in = self._f32(self._in_q(node.inputs[0]).scale)
-        qb, s_b = self.scheme.bias(bias, s_in, qw)
+        qb, bp = self.scheme.bias(bias, s_in, qw)
         bname = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else node.name + "_bias"
-        self._add_const(bname, qb, DT_INT32, AffineParams(s_b, 0, 0.0, 0.0))
+        self._add_const(bname, qb, DT_INT32, bp)
         names.append(bname)
         if qw.channel_scales is not None:
             sname = wname + "__scales"

@@ -295,6 +295,8 @@ def _cmd_inspect(args) -> int:
 
     model = load(args.qmodel)
     net = model.net_def
+    device = args.device or model.maceq_meta.get("device", "cpu")
+    place = model.placement(device)
     sizes = {t.name: int(model.consts[t.name].nbytes) for t in net.tensors}
     print(f"model {args.qmodel}: {len(net.op)} ops, {len(net.tensors)} constant tensors, "
           f"{sum(sizes.values())} bytes of weights")
@@ -306,15 +308,21 @@ def _cmd_inspect(args) -> int:
     n_conv = sum(1 for op in model.ops if op.type in ("Quantize", "Dequantize"))
     print(f"precision: {len(model.ops) - n_float - n_conv} uint8 ops, {n_float} float32 ops (float fallback), "
           f"{n_conv} Quantize/Dequantize boundaries")
-    print(f"{'#':>3}  {'op type':<16} {'prec':<5} {'name':<44} {'output shape':<18} {'scale':>11} {'zp':>4}  weights")
+    on_dev = sum(1 for w, _ in place.values() if w == device)
+    print(f"placement on {device}: {on_dev} ops on {device}, {len(place) - on_dev} on the cpu (fallback), "
+          f"{model.boundary_transfers(place)} boundary transfers")
+    print(f"{'#':>3}  {'op type':<16} {'prec':<5} {'runs on':<7} {'name':<44} {'output shape':<18} {'scale':>11} "
+          f"{'zp':>4}  weights")
     for k, op in enumerate(model.ops):
         q = op.out_qinfo[0] if op.out_qinfo else None
         w = [f"{i}({sizes[i]}B, s={model.const_qinfo[i].scale:.3g}, zp={model.const_qinfo[i].zero_point})"
              for i in op.inputs if i in sizes]
         shape = "x".join(map(str, op.output_shapes[0])) if op.output_shapes else "?"
         prec = "fp32" if op.arg("T") == 1 else "uint8"
-        print(f"{k:>3}  {op.type:<16} {prec:<5} {op.name[:44]:<44} {shape:<18} "
-              f"{(f'{q.scale:.5g}' if q else '-'):>11} {(q.zero_point if q else '-'):>4}  {' '.join(w)}")
+        where, why = place[op.name]
+        print(f"{k:>3}  {op.type:<16} {prec:<5} {where:<7} {op.name[:44]:<44} {shape:<18} "
+              f"{(f'{q.scale:.5g}' if q else '-'):>11} {(q.zero_point if q else '-'):>4}  {' '.join(w)}"
+              + (f"  [fallback: {why}]" if why else ""))
     return 0
 
 
@@ -346,6 +354,7 @@ def _maceq(argv) -> int:
     _add_preprocess_args(e)
     i = sub.add_parser("inspect", help="print the quantized graph: ops, tensors, scales, sizes")
     i.add_argument("qmodel")
+    i.add_argument("--device", default=None, help="show op placement on this device (default: the model's)")
     args = p.parse_args(argv)
     return {"run": _cmd_run, "eval": _cmd_eval, "inspect": _cmd_inspect}[args.cmd](args)
 

@@ -103,9 +103,10 @@ class CpuScheme:
         q, p = quantize_weights(w)
         return QuantizedWeights(q, params=p)
 
-    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, float]:
+    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, AffineParams]:
+        """int32 bias codes and the quantization stored with them."""
         s_b = float(np.float32(s_in)) * float(np.float32(qw.params.scale))
-        return quantize_bias(b, s_b), s_b
+        return quantize_bias(b, s_b), AffineParams(s_b, 0, 0.0, 0.0)
 
 
 class GpuScheme(CpuScheme):
@@ -131,13 +132,47 @@ class GpuScheme(CpuScheme):
         q, scales = gpu_quantize_weights(w)
         return QuantizedWeights(q, channel_scales=scales)
 
-    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, float]:
+    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, AffineParams]:
         s_c = (np.float32(s_in) * qw.channel_scales.astype(np.float32)).astype(np.float64)
         data = np.asarray(b, dtype=np.float64)
         q = np.round(data / s_c)
         if np.any(np.abs(q) > 2**31 - 1):
             raise MaceqError("bias does not fit in int32 at its per-channel scale")
-        return q.astype(np.int32), 0.0
+        return q.astype(np.int32), AffineParams(0.0, 0, 0.0, 0.0)
 
 
 SCHEMES = {"cpu": CpuScheme(), "gpu": GpuScheme()}
+
+
+class DspScheme(CpuScheme):
+    """The dsp device (MACE's HEXAGON converter rules): ranges from ``adjust_range_for_hexagon``,
+    uint8 weights over the hexagon-adjusted range, int32 bias symmetric over 2^32 levels (quantize_bias_for_hexagon).
+
+    The min/max stored with each tensor are what nnlib's ops consume.
+    """
+
+    name = "dsp"
+
+    def activation(self, lo: float, hi: float) -> AffineParams:
+        from maceq.runtime.kernels.dsp import mace_adjust_range_for_hexagon
+
+        mn, mx, scale, zp = mace_adjust_range_for_hexagon(lo, hi)
+        if scale == 0.0:
+            scale = float(np.finfo(np.float32).tiny)
+        return AffineParams(scale, zp, mn, mx)
+
+    def weights(self, w: np.ndarray, *, out_axis_last_two: bool = False) -> QuantizedWeights:
+        from maceq.runtime.kernels.dsp import mace_quantize_tensor
+
+        q, mn, mx = mace_quantize_tensor(w)
+        p = self.activation(mn, mx)
+        return QuantizedWeights(q, params=AffineParams(p.scale, p.zero_point, mn, mx))
+
+    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, AffineParams]:
+        from maceq.runtime.kernels.dsp import mace_quantize_bias
+
+        q, mn, mx = mace_quantize_bias(b)
+        return q, AffineParams((mx - mn) / 2**32, 0, mn, mx)
+
+
+SCHEMES["dsp"] = DspScheme()

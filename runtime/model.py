@@ -14,6 +14,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.runtime import ops as _ops  # noqa: F401  (registers the kernels)
+from maceq.runtime import ops_dsp as _ops_dsp  # noqa: F401
 from maceq.runtime import ops_float as _ops_float  # noqa: F401
 from maceq.runtime import ops_gpu as _ops_gpu  # noqa: F401
 from maceq.runtime import ops_shape as _ops_shape  # noqa: F401
@@ -111,6 +112,28 @@ class Model:
             self._prepared[key] = params
         return params
 
+    def placement(self, device: str) -> dict[str, tuple[str, str]]:
+        """Op name -> (where it runs, why it fell back), from one run on a zero input.
+
+        On dsp, ops nnlib lacks or rejects run the cpu profile's kernels; the report counts the
+        boundary transfers between the two.
+        """
+        profile = get_profile(device)
+        zeros = {n: np.zeros((1,) + tuple(self.input_shape(n)[1:]), np.float32) for n in self.input_names}
+        self.run(zeros, device=device)
+        out = {}
+        for idx, op in enumerate(self.ops):
+            kernel = self._kernel(op, profile)
+            params = next((p for k, p in self._prepared.items() if k[0] is profile.device and k[1] == idx), None)
+            out[op.name] = _placement_of(op, kernel, params, profile.device)
+        return out
+
+    def boundary_transfers(self, placement: dict[str, tuple[str, str]]) -> int:
+        """Tensors that cross from one processor to the other (each consumer edge counted once)."""
+        where_made = {o: placement[op.name][0] for op in self.ops for o in op.outputs}
+        return sum(1 for op in self.ops for i in op.inputs
+                   if i in where_made and where_made[i] != placement[op.name][0])
+
     def run(self, inputs: dict[str, np.ndarray], *, device: str = "cpu", intermediates: bool = False,
             backend: str = "numpy"):
         """Run the model on float inputs; returns {output: float32 array}, or a RunResult with intermediates.
@@ -175,6 +198,19 @@ class Model:
 
 
 _BACKENDS: dict = {}
+
+
+def _placement_of(op: RtOp, kernel, params, device) -> tuple[str, str]:
+    """Where an op runs on ``device``: its own kernel, or the cpu profile's (fallback) with the reason."""
+    if device.value == "cpu":
+        return "cpu", ""
+    if getattr(params, "on_dsp", True) is False:
+        return "cpu", getattr(params, "reason", "")
+    from maceq.runtime.registry import _REGISTRY
+
+    if (op.type, kernel.dtype, device) in _REGISTRY or kernel.dtype.value == "float" and device.value == "gpu":
+        return device.value, ""
+    return "cpu", f"no {device.value} kernel for {op.type}"
 
 
 def _backend(name: str):

@@ -103,7 +103,23 @@ GPU = DeviceProfile(
     honours_activation_args=False,
 )
 
-PROFILES: dict[Device, DeviceProfile] = {Device.CPU: CPU, Device.GPU: GPU}
+DSP = DeviceProfile(
+    device=Device.DSP,
+    description="Hexagon DSP through nnlib's reference ops (Supernode, DepthwiseSupernode, SuperFC, QuantizedAdd, "
+                "QuantizedConcat, QuantizedMax/AvgPool); ops nnlib lacks or rejects run the cpu profile's kernels",
+    multiplier_rule=MultiplierRule.FLOAT32,       # used only by ops that fall back to the cpu kernels
+    conv_requant=Requant.GEMMLOWP,
+    depthwise_requant=Requant.GEMMLOWP,
+    dilated_depthwise_requant=Requant.FLOAT32_ROUND_THEN_ZP,
+    fc_requant=Requant.FLOAT32_ROUNDF,
+    fc_rescales_bias=False,
+    input_quantize=InputQuantize.NEON_TRUNC,
+    conv_rescales_bias=True,
+    find_range_every_time=True,
+    honours_activation_args=False,
+)
+
+PROFILES: dict[Device, DeviceProfile] = {Device.CPU: CPU, Device.GPU: GPU, Device.DSP: DSP}
 
 
 def get_profile(device: "str | Device") -> DeviceProfile:

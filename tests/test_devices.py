@@ -17,7 +17,7 @@ from maceq.runtime import load
 def fmnist_devices(tmp_path_factory, shared_data):
     out = tmp_path_factory.mktemp("devs")
     res = quantize(shared_data / "models" / "fmnist_mobilenet.onnx", shared_data / "fashion_mnist" / "calib",
-                   output_dir=out, preprocess=PRESETS["fmnist"], progress=False, devices=("cpu", "gpu"))
+                   output_dir=out, preprocess=PRESETS["fmnist"], progress=False, devices=("cpu", "gpu", "dsp"))
     return {d: load(f.yml) for d, f in res.per_device.items()}
 
 
@@ -39,13 +39,59 @@ def test_one_model_per_device_with_its_scheme(fmnist_devices):
 
 def test_devices_compute_different_codes(fmnist_devices, shared_data):
     x = _images(shared_data, 1)
-    c = fmnist_devices["cpu"].run({"input": x}, device="cpu", intermediates=True)
-    g = fmnist_devices["gpu"].run({"input": x}, device="gpu", intermediates=True)
+    runs = {d: m.run({"input": x}, device=d, intermediates=True) for d, m in fmnist_devices.items()}
     t = "/1/conv/conv.2/Conv_output_0"
-    assert c.tensors[t].values.shape == g.tensors[t].values.shape
-    assert np.count_nonzero(c.tensors[t].values != g.tensors[t].values) > 0
-    # both are close to the float model: same top-1 on this image
-    assert int(np.argmax(c.outputs["logits"])) == int(np.argmax(g.outputs["logits"]))
+    for a, b in (("cpu", "gpu"), ("cpu", "dsp"), ("gpu", "dsp")):
+        assert runs[a].tensors[t].values.shape == runs[b].tensors[t].values.shape
+        assert np.count_nonzero(runs[a].tensors[t].values != runs[b].tensors[t].values) > 0, (a, b)
+    # all three stay close to the float model: the same top-1 on this image
+    assert len({int(np.argmax(r.outputs["logits"])) for r in runs.values()}) == 1
+
+
+def test_dsp_ranges_and_placement(fmnist_devices):
+    dsp = fmnist_devices["dsp"]
+    w = dsp.const_qinfo["onnx::Conv_212"]
+    assert w.minval < 0 < w.maxval  # nnlib consumes float ranges
+    place = dsp.placement("dsp")
+    assert all(where == "dsp" for where, _ in place.values())
+    assert dsp.boundary_transfers(place) == 0
+
+
+def test_dsp_falls_back_to_cpu_where_nnlib_rejects(tmp_path, shared_data):
+    """A Softmax (no nnlib op here) and a dilated conv (nnlib rejects dilation > 1) run the cpu kernels."""
+    import onnx
+    from onnx import helper, numpy_helper
+    from PIL import Image
+
+    from maceq.datasets.preprocess import Preprocess
+
+    rng = np.random.default_rng(1)
+    inits = {"w1": rng.normal(0, 0.3, (4, 1, 3, 3)).astype(np.float32),
+             "w2": rng.normal(0, 0.3, (4, 1, 3, 3)).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Conv", ["c1", "w2"], ["c2"], pads=[2, 2, 2, 2], dilations=[2, 2], group=4,
+                              name="dilated_dw"),
+             helper.make_node("Softmax", ["c2"], ["y"], axis=1, name="softmax")]
+    g = helper.make_graph(nodes, "fb", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 1, 12, 12])],
+                          [helper.make_empty_tensor_value_info("y")],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    path = tmp_path / "fb.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), path)
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    for k in range(6):
+        Image.fromarray(rng.integers(0, 256, (12, 12), dtype=np.uint8)).save(imgs / f"{k}.png")
+    pre = Preprocess(color="gray", resize=(12, 12), scale=1 / 255)
+    res = quantize(path, imgs, output_dir=tmp_path / "out", preprocess=pre, progress=False, devices=("dsp",))
+    model = load(res.files.yml)
+    place = model.placement("dsp")
+    assert place["conv1"][0] == "dsp"
+    assert place["dilated_dw"][0] == "cpu" and "dilation" in place["dilated_dw"][1]
+    assert place["mace_output_node_softmax"][0] == "cpu"
+    assert model.boundary_transfers(place) == 2  # conv1 -> dilated_dw, softmax -> Dequantize
+    x = next(ImageFolder(imgs, pre, labels=None).iter_batches(1)).data
+    y = model.run({"x": x}, device="dsp")["y"]
+    assert y.shape == (1, 4, 12, 12) and np.allclose(y.sum(axis=1), 1.0, atol=0.03)
 
 
 def test_gpu_opencl_backend_equals_simulation_fmnist(fmnist_devices, shared_data, tmp_path, monkeypatch):

@@ -1,0 +1,275 @@
+"""The dsp device's kernel overrides: Hexagon nnlib ops, as nnlib's C reference computes them.
+
+MACE ops map onto nnlib's compositions: Conv2D -> Supernode_8x8p32to8, DepthwiseConv2d ->
+DepthwiseSupernode_8x8p32to8, FullyConnected -> SuperFC_8x8p32to8, Eltwise SUM/SUB ->
+QuantizedAdd/Sub_8p8to8, Concat -> QuantizedConcat_8, Pooling -> QuantizedMaxPool_8 /
+QuantizedAvgPool_8, Reduce (spatial mean) -> QuantizedAvgPool_8 over the whole plane, input
+Quantize -> QuantizeINPUT_f_to_8, Dequantize -> DequantizeOUTPUT_8tof. Tensors carry float
+min/max ranges (the QInfo's minval/maxval), as nnlib passes them between ops.
+
+Ops nnlib lacks (no override here: Softmax, ResizeBilinear, ...) and configurations it rejects
+(``supports_conv``: dilation > 1, pads no padding mode expresses, depthwise filters it cannot run,
+Concat off the depth axis) run the cpu profile's kernel instead; :func:`placement` reports which.
+The scale/zero point of a dsp tensor are nnlib's (level size, code of 0.0) for its range, so a
+cpu kernel reads the same real values from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from maceq.errors import MaceqError
+from maceq.runtime import ops as cpu_ops
+from maceq.runtime.graph import RtOp
+from maceq.runtime.kernels import dsp as K
+from maceq.runtime.kernels import nnlib_ref as R
+from maceq.runtime.profiles import Device
+from maceq.runtime.qtypes import QInfo
+from maceq.runtime.registry import register
+
+DSP = Device.DSP
+
+
+def _qt(values, q):
+    from maceq.runtime.model import QTensor
+
+    return QTensor(values, q)
+
+
+def rng(q: QInfo) -> tuple[float, float]:
+    """A tensor's float range: the stored min/max, else the one its scale/zero point imply."""
+    if q.minval != 0.0 or q.maxval != 0.0:
+        return float(q.minval), float(q.maxval)
+    return -q.zero_point * q.scale, (255 - q.zero_point) * q.scale
+
+
+def qinfo_of_range(mn: float, mx: float) -> QInfo:
+    zero, level = R.get_qu8_level_size_zero(mn, mx)
+    return QInfo(float(level), int(zero), float(mn), float(mx))
+
+
+def _pads(op: RtOp):
+    ph, pw = op.arg("padding_values", [0, 0])
+    return ph >> 1, pw >> 1, ph - (ph >> 1), pw - (pw >> 1)
+
+
+@dataclass(frozen=True)
+class DspConvParams:
+    on_dsp: bool
+    reason: str
+    strides: tuple[int, int]
+    padding: int  # nnlib Padding
+    out_range_bits: tuple[int, int]  # float32 bits of the stored output min/max
+    cpu: object = None  # the cpu kernel's params when the op falls back
+
+
+def _f32_bits(v) -> int:
+    return int(np.float32(v).view(np.int32))
+
+
+def _bits_f32(b) -> float:
+    return float(np.int32(b).view(np.float32))
+
+
+class _Fallback:
+    """Runs the cpu profile's kernel for configurations nnlib rejects."""
+
+    cpu_kernel: type
+
+    def _fallback(self, op, in_q, ctx, reason):
+        return DspConvParams(False, reason, (1, 1), 0, (0, 0), self.cpu_kernel().prepare(op, in_q, ctx))
+
+    def _run_cpu(self, p, inputs):
+        return self.cpu_kernel().run(p.cpu, inputs)
+
+
+class _DspConv(_Fallback):
+    depthwise = False
+
+    def prepare(self, op: RtOp, in_q, ctx) -> DspConvParams:
+        w = ctx.consts[op.inputs[1]]
+        kernel = (w.shape[0], w.shape[1]) if self.depthwise else (w.shape[1], w.shape[2])
+        in_hw = None
+        if op.output_shapes:
+            # recover the input size from the output: nnlib needs it to map explicit pads
+            oh, ow = op.output_shapes[0][1:3]
+            sh, sw = op.arg("strides", [1, 1])
+            t, l, b, r = _pads(op)
+            in_hw = ((oh - 1) * sh + kernel[0] - t - b, (ow - 1) * sw + kernel[1] - l - r)
+        ok, why = K.supports_conv(strides=op.arg("strides", [1, 1]), dilations=op.arg("dilations", [1, 1]),
+                                  pads=_pads(op), kernel=kernel, in_hw=in_hw, depthwise=self.depthwise,
+                                  depth_multiplier=w.shape[3] if self.depthwise else 1)
+        if not ok:
+            return self._fallback(op, in_q, ctx, why)
+        mode = K.padding_for_pads(in_hw=in_hw, kernel=kernel, strides=op.arg("strides", [1, 1]), pads=_pads(op))
+        lo, hi = rng(op.out_qinfo[0])
+        return DspConvParams(True, "", tuple(op.arg("strides", [1, 1])), int(mode), (_f32_bits(lo), _f32_bits(hi)))
+
+    def run(self, p: DspConvParams, inputs):
+        if not p.on_dsp:
+            return self._run_cpu(p, inputs)
+        x, w, b = inputs[:3]
+        x_lo, x_hi = rng(x.qinfo)
+        w_lo, w_hi = rng(w.qinfo)
+        b_lo, b_hi = b.qinfo.minval, b.qinfo.maxval
+        out_lo, out_hi = (_bits_f32(v) for v in p.out_range_bits)
+        kw = dict(x_min=x_lo, x_max=x_hi, w_min=w_lo, w_max=w_hi, bias_min=b_lo, bias_max=b_hi, out_min=out_lo,
+                  out_max=out_hi, strides=p.strides, padding=R.Padding(p.padding))
+        if self.depthwise:
+            y, mn, mx = K.depthwise_supernode(x.values, w.values, b.values, **kw)
+        else:
+            y, mn, mx = K.supernode(x.values, K.ohwi_to_hwio(w.values), b.values, **kw)
+        return [_qt(y, qinfo_of_range(mn, mx))]
+
+
+@register("Conv2D", device=DSP)
+class DspConv2D(_DspConv):
+    cpu_kernel = cpu_ops.Conv2D
+
+
+@register("DepthwiseConv2d", device=DSP)
+class DspDepthwiseConv2d(_DspConv):
+    cpu_kernel = cpu_ops.DepthwiseConv2d
+    depthwise = True
+
+
+@register("FullyConnected", device=DSP)
+class DspFullyConnected(_Fallback):
+    cpu_kernel = cpu_ops.FullyConnected
+
+    def prepare(self, op: RtOp, in_q, ctx) -> DspConvParams:
+        lo, hi = rng(op.out_qinfo[0])
+        return DspConvParams(True, "", (1, 1), 0, (_f32_bits(lo), _f32_bits(hi)))
+
+    def run(self, p: DspConvParams, inputs):
+        x, w, b = inputs[:3]
+        n = x.values.shape[0]
+        x_lo, x_hi = rng(x.qinfo)
+        w_lo, w_hi = rng(w.qinfo)
+        out_lo, out_hi = (_bits_f32(v) for v in p.out_range_bits)
+        y, mn, mx = K.superfc(x.values.reshape(n, -1), K.fc_weight_to_dsp(w.values), b.values, x_min=x_lo,
+                              x_max=x_hi, w_min=w_lo, w_max=w_hi, bias_min=b.qinfo.minval,
+                              bias_max=b.qinfo.maxval, out_min=out_lo, out_max=out_hi)
+        return [_qt(y.reshape(n, 1, 1, -1), qinfo_of_range(mn, mx))]
+
+
+@dataclass(frozen=True)
+class DspEltwiseParams:
+    subtract: bool
+    out_range_bits: tuple[int, int]
+
+
+@register("Eltwise", device=DSP)
+class DspEltwise:
+    def prepare(self, op: RtOp, in_q, ctx) -> DspEltwiseParams:
+        kind = int(op.arg("type", 0))
+        if kind not in (0, 1):
+            raise MaceqError(f"op '{op.name}': nnlib's uint8 Eltwise is QuantizedAdd/Sub only")
+        lo, hi = rng(op.out_qinfo[0])
+        return DspEltwiseParams(kind == 1, (_f32_bits(lo), _f32_bits(hi)))
+
+    def run(self, p: DspEltwiseParams, inputs):
+        a, b = inputs
+        (a_lo, a_hi), (b_lo, b_hi) = rng(a.qinfo), rng(b.qinfo)
+        out_lo, out_hi = (_bits_f32(v) for v in p.out_range_bits)
+        fn = K.quantized_sub if p.subtract else K.quantized_add
+        y, mn, mx = fn(a.values, b.values, a_min=a_lo, a_max=a_hi, b_min=b_lo, b_max=b_hi, out_min=out_lo,
+                       out_max=out_hi)
+        return [_qt(y, qinfo_of_range(mn, mx))]
+
+
+@dataclass(frozen=True)
+class DspConcatParams:
+    on_dsp: bool
+    reason: str
+    axis: int
+    cpu: object = None
+
+
+@register("Concat", device=DSP)
+class DspConcat:
+    def prepare(self, op: RtOp, in_q, ctx) -> DspConcatParams:
+        axis = int(op.arg("axis", 3))
+        if axis % 4 != 3:
+            return DspConcatParams(False, f"axis {axis}: nnlib concatenates along depth only", axis,
+                                   cpu_ops.Concat().prepare(op, in_q, ctx))
+        return DspConcatParams(True, "", axis)
+
+    def run(self, p: DspConcatParams, inputs):
+        if not p.on_dsp:
+            return cpu_ops.Concat().run(p.cpu, inputs)
+        y, mn, mx = K.quantized_concat([t.values for t in inputs], axis=p.axis,
+                                       in_ranges=[rng(t.qinfo) for t in inputs])
+        return [_qt(y, qinfo_of_range(mn, mx))]
+
+
+@dataclass(frozen=True)
+class DspPoolParams:
+    kind: int  # 1 avg, 2 max
+    kernel: tuple[int, int] | None  # None: the whole plane (Reduce mean)
+    strides: tuple[int, int]
+    pads: tuple[int, int, int, int]
+
+
+@register("Pooling", device=DSP)
+class DspPooling:
+    def prepare(self, op: RtOp, in_q, ctx) -> DspPoolParams:
+        return DspPoolParams(int(op.require("pooling_type")), tuple(op.require("kernels")),
+                             tuple(op.arg("strides", [1, 1])), _pads(op))
+
+    def run(self, p: DspPoolParams, inputs):
+        x = inputs[0]
+        lo, hi = rng(x.qinfo)
+        h, w = x.values.shape[1:3]
+        kernel = p.kernel or (h, w)
+        mode = K.padding_for_pads(in_hw=(h, w), kernel=kernel, strides=p.strides, pads=p.pads)
+        fn = K.quantized_maxpool if p.kind == 2 else K.quantized_avgpool
+        y, mn, mx = fn(x.values, x_min=lo, x_max=hi, kernel=kernel, strides=p.strides, padding=mode)
+        return [_qt(y, x.qinfo)]
+
+
+@register("Reduce", device=DSP)
+class DspReduce(DspPooling):
+    def prepare(self, op: RtOp, in_q, ctx) -> DspPoolParams:
+        if int(op.arg("reduce_type", 0)) != 0 or tuple(op.arg("axis", [1, 2])) != (1, 2):
+            raise MaceqError(f"op '{op.name}': the dsp Reduce is the spatial mean (QuantizedAvgPool) only")
+        return DspPoolParams(1, None, (1, 1), (0, 0, 0, 0))
+
+
+@dataclass(frozen=True)
+class DspQuantizeParams:
+    find_range: bool
+    range_bits: tuple[int, int]
+
+
+@register("Quantize", device=DSP)
+class DspQuantize:
+    def prepare(self, op: RtOp, in_q, ctx) -> DspQuantizeParams:
+        lo, hi = rng(op.out_qinfo[0])
+        return DspQuantizeParams(bool(op.arg("find_range_every_time", 0)), (_f32_bits(lo), _f32_bits(hi)))
+
+    def run(self, p: DspQuantizeParams, inputs):
+        x = np.asarray(inputs[0].values, np.float32)
+        if p.find_range:
+            q, mn, mx = K.quantize_input(x)
+        else:
+            lo, hi = (_bits_f32(v) for v in p.range_bits)
+            q, mn, mx = K.quantize(x, min=lo, max=hi)
+        return [_qt(q, qinfo_of_range(mn, mx))]
+
+
+@dataclass(frozen=True)
+class DspDequantizeParams:
+    pass
+
+
+@register("Dequantize", device=DSP)
+class DspDequantize:
+    def prepare(self, op: RtOp, in_q, ctx) -> DspDequantizeParams:
+        return DspDequantizeParams()
+
+    def run(self, p, inputs):
+        t = inputs[0]
+        lo, hi = rng(t.qinfo)
+        return [_qt(K.dequantize(t.values, min=lo, max=hi), None)]
