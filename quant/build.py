@@ -43,6 +43,7 @@ class BuiltModel:
     arrays: dict[str, np.ndarray]
     ranges: dict[str, tuple[float, float]]
     op_sources: dict[str, str] = field(default_factory=dict)  # MACE op name -> IR node name
+    tensor_map: dict[str, str] = field(default_factory=dict)  # MACE tensor -> IR tensor, where names differ
 
 
 def _arg(op, name, value):
@@ -94,6 +95,7 @@ class MaceBuilder:
         self.op_sources: dict[str, str] = {}
         self.used_ranges: dict[str, tuple[float, float]] = {}
         self.float_name: dict[str, str] = {}  # IR tensor -> MACE name of its float32 version
+        self.tensor_map: dict[str, str] = {}  # MACE tensor -> the IR tensor it holds, where the names differ
         self.placement: dict[str, str] = {}
 
     # -- precision boundaries ------------------------------------------------------
@@ -113,6 +115,7 @@ class MaceBuilder:
         self.qinfo[qname] = p
         self.rename[vi.name] = qname
         self.op_sources[qname] = vi.name
+        self.tensor_map[qname] = vi.name
 
     def _as_uint8(self, tensor: str) -> str:
         """The MACE name of ``tensor``'s uint8 version, inserting a Quantize op after a float producer."""
@@ -136,6 +139,7 @@ class MaceBuilder:
         self.qinfo[qname] = p
         self.rename[tensor] = qname
         self.op_sources[qname] = tensor
+        self.tensor_map[qname] = tensor
         return qname
 
     def _dequantize(self, tensor: str, src: str, *, out_name: str, op_name: str) -> str:
@@ -150,6 +154,8 @@ class MaceBuilder:
         op.output_shape.add().dims.extend(list(prod.output_shape[0].dims))
         op.output_type.append(DT_FLOAT)
         self.op_sources[op_name] = tensor
+        if out_name != tensor:
+            self.tensor_map[out_name] = tensor
         return out_name
 
     def _as_float(self, tensor: str) -> str:
@@ -460,6 +466,8 @@ class MaceBuilder:
                 op_name = OUTPUT_PREFIX + node.name if is_out else node.name
                 self.EMITTERS[node.op_type](self, node, out_name, op_name)
                 self.rename[out] = out_name
+                if out_name != out:
+                    self.tensor_map[out_name] = out
             else:
                 self._emit_float(node)
         for out in g.outputs:
@@ -514,7 +522,7 @@ class MaceBuilder:
         multi.net_def.append(self.net)
         multi.input_tensor.extend(vi.name for vi in g.inputs)
         multi.output_tensor.extend(g.outputs)
-        return BuiltModel(multi, self.arrays, dict(self.used_ranges), self.op_sources)
+        return BuiltModel(multi, self.arrays, dict(self.used_ranges), self.op_sources, dict(self.tensor_map))
 
 
 UINT8, FLOAT = "uint8", "float32"

@@ -73,28 +73,32 @@ def prepare_graph(onnx_path: str | os.PathLike, *, input_shape: list[int] | None
     return opt, in_shapes, shapes
 
 
-def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, output_dir: str | os.PathLike,
-             preprocess: Preprocess, config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None,
-             model_name: str | None = None, progress: bool = True, extra_meta: dict | None = None,
-             strict: bool = False, devices: tuple[str, ...] = ("cpu",)) -> QuantizeResult:
-    """Quantize ``onnx_path`` for each device, calibrating once on the images in ``calib_dir``.
+@dataclass
+class Calibration:
+    """Everything the writer needs, computed once: the optimised graph, its shapes and the ranges."""
 
-    One device writes into ``output_dir``; several write one model each into ``output_dir/<device>/``.
-    ``result.files`` is the first device's; ``result.per_device`` has them all.
-    """
-    from maceq.runtime.profiles import Device
+    onnx_path: Path
+    graph: Graph
+    in_shapes: dict
+    shapes: dict
+    ranges: dict
+    n_images: int
+    n_skipped: int
+    preprocess: Preprocess
+    config: QuantConfig
 
-    devices = tuple(Device.parse(d).value for d in devices)
-    if not devices or len(set(devices)) != len(devices):
-        raise MaceqError(f"--device: give each device once, got {','.join(devices) or 'none'}")
+
+def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, preprocess: Preprocess,
+              config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None, progress: bool = True,
+              strict: bool = False) -> Calibration:
+    """Import, optimise and calibrate: activation ranges for every tensor that gets a scale."""
     onnx_path = Path(onnx_path)
-    name = model_name or onnx_path.stem
     opt, in_shapes, shapes = prepare_graph(onnx_path, input_shape=input_shape, preprocess=preprocess)
     fp32 = select_nodes(opt, config.fp32_layers)
     unmatched = [p for p in config.fp32_layers if not select_nodes(opt, [p])]
     if unmatched:
         raise MaceqError(f"fp32 layer pattern '{unmatched[0]}' matches no node of {onnx_path}")
-    placement = check_supported(opt, strict=strict, shapes=shapes, fp32=fp32)  # fail before the (long) calibration
+    check_supported(opt, strict=strict, shapes=shapes, fp32=fp32)  # fail before the (long) calibration
     if len(opt.inputs) != 1:
         raise MaceqError(f"{onnx_path}: {len(opt.inputs)} inputs; image calibration supports one-input models")
     in_name = opt.inputs[0].name
@@ -111,7 +115,45 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     for t in names:
         method, pct = config.method_for(t)
         ranges[t] = compute_range(stats[t], method, percentile=pct)
-    n_images = len(data) - data.skipped
+    return Calibration(onnx_path, opt, in_shapes, shapes, ranges, len(data) - data.skipped, data.skipped,
+                       preprocess, config)
+
+
+def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, output_dir: str | os.PathLike,
+             preprocess: Preprocess, config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None,
+             model_name: str | None = None, progress: bool = True, extra_meta: dict | None = None,
+             strict: bool = False, devices: tuple[str, ...] = ("cpu",)) -> QuantizeResult:
+    """Quantize ``onnx_path`` for each device, calibrating once on the images in ``calib_dir``.
+
+    One device writes into ``output_dir``; several write one model each into ``output_dir/<device>/``.
+    ``result.files`` is the first device's; ``result.per_device`` has them all.
+    """
+    cal = calibrate(onnx_path, calib_dir, preprocess=preprocess, config=config, input_shape=input_shape,
+                    progress=progress, strict=strict)
+    return write_quantized(cal, output_dir=output_dir, model_name=model_name, extra_meta=extra_meta, strict=strict,
+                           devices=devices)
+
+
+def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_name: str | None = None,
+                    extra_meta: dict | None = None, strict: bool = False, devices: tuple[str, ...] = ("cpu",),
+                    fp32_nodes: set[str] | None = None) -> QuantizeResult:
+    """Write one MACE model per device from a calibration (cheap: no image is run again).
+
+    ``fp32_nodes``: node names kept in float32, in addition to the config's ``fp32_layers``.
+    """
+    from maceq.runtime.profiles import Device
+
+    devices = tuple(Device.parse(d).value for d in devices)
+    if not devices or len(set(devices)) != len(devices):
+        raise MaceqError(f"--device: give each device once, got {','.join(devices) or 'none'}")
+    onnx_path, opt, shapes, ranges, config = cal.onnx_path, cal.graph, cal.shapes, cal.ranges, cal.config
+    name = model_name or onnx_path.stem
+    fp32 = select_nodes(opt, config.fp32_layers) | set(fp32_nodes or ())
+    placement = check_supported(opt, strict=strict, shapes=shapes, fp32=fp32)
+    in_name = opt.inputs[0].name
+    want = cal.in_shapes[in_name]
+    n_images = cal.n_images
+    preprocess = cal.preprocess
     meta = {
         "source_model": str(onnx_path.resolve()),
         "source_sha256": _sha256(onnx_path),
@@ -149,8 +191,8 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
         per_device[device] = write_model(
             out_dir, name, built.multi_net_def, built.arrays,
             deployment={"platform": "onnx", "runtime": MACE_RUNTIME[device], "subgraphs": [subgraph]},
-            ranges=built.ranges, maceq={**meta, "device": device})
-    result = QuantizeResult(per_device[devices[0]], opt, placement, n_images, data.skipped, name, frozenset(fp32))
+            ranges=built.ranges, maceq={**meta, "device": device, "tensor_map": built.tensor_map})
+    result = QuantizeResult(per_device[devices[0]], opt, placement, n_images, cal.n_skipped, name, frozenset(fp32))
     result.per_device = per_device
     return result
 

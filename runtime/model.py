@@ -128,6 +128,20 @@ class Model:
             out[op.name] = _placement_of(op, kernel, params, profile.device)
         return out
 
+    @property
+    def tensor_map(self) -> dict[str, str]:
+        """MACE tensor name -> the source-graph tensor it holds (recorded by the writer; identity elsewhere)."""
+        return dict(self.maceq_meta.get("tensor_map") or {})
+
+    def run_op(self, op: RtOp, inputs: list, *, device: str = "cpu") -> list:
+        """Run one op on given QTensors (constants are looked up): the isolated-layer analysis uses this."""
+        profile = get_profile(device)
+        kernel = self._kernel(op, profile)
+        ins = [t if t is not None else QTensor(self.consts[name], self.const_qinfo.get(name))
+               for name, t in zip(op.inputs, list(inputs) + [None] * (len(op.inputs) - len(inputs)))]
+        ctx = PrepareContext(profile, self.consts, self.const_qinfo)
+        return kernel.run(kernel.prepare(op, tuple(t.qinfo for t in ins), ctx), ins)
+
     def boundary_transfers(self, placement: dict[str, tuple[str, str]]) -> int:
         """Tensors that cross from one processor to the other (each consumer edge counted once)."""
         where_made = {o: placement[op.name][0] for op in self.ops for o in op.outputs}
