@@ -4,7 +4,7 @@ The kernels themselves are OpenCL C in ``runtime/opencl/*.cl``; ``runtime/opencl
 runs them (PoCL in the tests). Every function here computes what the kernel of the same
 name computes, step by step, with the same float32 operations in the same order, and
 ``tests/test_gpu_opencl.py`` proves it (0 differing elements). The written spec is
-``docs/dev/semantics-gpu.md``.
+``docs/semantics.md``.
 
 Notation: ``f32(e)`` is one float32 operation rounded to nearest even (numpy float32
 ufuncs; the .cl files are built with ``#pragma OPENCL FP_CONTRACT OFF`` so that no
@@ -31,7 +31,7 @@ MNN ``source/backend/opencl/execution/cl/conv_2d_int8.cl`` (``convert_int_rte`` 
 ``convert_float_rtp(acc) * scale``, symmetric int8, no zero points) and ``FloatToInt8.cl``;
 MACE ``mace/ops/opencl/cl/{common.h,softmax.cl,resize_bilinear.cl,activation.cl}`` for the
 float ops. Where those differ from the rule above, the rule above is the gpu device's
-definition (from the issue); docs/dev/semantics-gpu.md lists the differences.
+definition (from the issue); docs/semantics.md lists the differences.
 """
 from __future__ import annotations
 
