@@ -62,6 +62,7 @@ class DspConvParams:
     padding: int  # nnlib Padding
     out_range_bits: tuple[int, int]  # float32 bits of the stored output min/max
     cpu: object = None  # the cpu kernel's params when the op falls back
+    variant: str = "d32"  # the profile's supernode_variant
 
 
 def _f32_bits(v) -> int:
@@ -104,7 +105,8 @@ class _DspConv(_Fallback):
             return self._fallback(op, in_q, ctx, why)
         mode = K.padding_for_pads(in_hw=in_hw, kernel=kernel, strides=op.arg("strides", [1, 1]), pads=_pads(op))
         lo, hi = rng(op.out_qinfo[0])
-        return DspConvParams(True, "", tuple(op.arg("strides", [1, 1])), int(mode), (_f32_bits(lo), _f32_bits(hi)))
+        return DspConvParams(True, "", tuple(op.arg("strides", [1, 1])), int(mode), (_f32_bits(lo), _f32_bits(hi)),
+                             variant=ctx.profile.supernode_variant or "d32")
 
     def run(self, p: DspConvParams, inputs):
         if not p.on_dsp:
@@ -119,7 +121,8 @@ class _DspConv(_Fallback):
         if self.depthwise:
             y, mn, mx = K.depthwise_supernode(x.values, w.values, b.values, **kw)
         else:
-            y, mn, mx = K.supernode(x.values, K.ohwi_to_hwio(w.values), b.values, **kw)
+            variant = K.SupernodeVariant.D32 if p.variant == "d32" else K.SupernodeVariant.REF
+            y, mn, mx = K.supernode(x.values, K.ohwi_to_hwio(w.values), b.values, variant=variant, **kw)
         return [_qt(y, qinfo_of_range(mn, mx))]
 
 

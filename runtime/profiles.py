@@ -70,6 +70,9 @@ class DeviceProfile:
     find_range_every_time: bool
     #: Whether uint8 kernels apply the `activation`/`max_limit` args (MACE's do not).
     honours_activation_args: bool
+    #: nnlib Supernode requantization (dsp only): "d32" = the _d32 ops a Hexagon device runs (31-bit
+    #: reciprocal and shift), "ref" = op_supernode.c's flat reference (16-bit reciprocal, ~7 bits).
+    supernode_variant: str | None = None
 
 
 CPU = DeviceProfile(
@@ -117,6 +120,7 @@ DSP = DeviceProfile(
     conv_rescales_bias=True,
     find_range_every_time=True,
     honours_activation_args=False,
+    supernode_variant="d32",
 )
 
 PROFILES: dict[Device, DeviceProfile] = {Device.CPU: CPU, Device.GPU: GPU, Device.DSP: DSP}
