@@ -137,6 +137,12 @@ def _quantize(argv) -> int:
                    help="target device(s), comma-separated: cpu, gpu, dsp (one model per device)")
     p.add_argument("--fp32", action="append", default=[], metavar="NAME",
                    help="keep this layer in float32 (node or output name, glob allowed; repeatable)")
+    g = p.add_argument_group("automatic mixed precision")
+    g.add_argument("--accuracy-budget", type=float, metavar="POINTS",
+                   help="largest allowed drop of top-1 agreement (or accuracy, with labels) in points; layers are "
+                        "moved to float32, most sensitive first, until it holds")
+    g.add_argument("--min-sqnr", type=float, metavar="DB", help="per-layer floor: layers under it go to float32 first")
+    g.add_argument("--max-fp32-layers", type=int, metavar="N", help="cap on the layers the search may exempt")
     p.add_argument("--strict", action="store_true",
                    help="fail instead of running ops without a uint8 kernel in float32 (float fallback)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -164,11 +170,18 @@ def _quantize(argv) -> int:
     input_shape = _csv_numbers(args.input_shape, int, what="--input-shape") if args.input_shape else None
     name = args.name or Path(args.model).stem
     out = Path(args.output) if args.output else default_output_root() / name
+    devices = tuple(d.strip() for d in args.device.split(",") if d.strip())
+    if args.accuracy_budget is None:
+        for flag, value in (("--min-sqnr", args.min_sqnr), ("--max-fp32-layers", args.max_fp32_layers)):
+            if value is not None:
+                raise MaceqError(f"{flag} needs --accuracy-budget")
+    else:
+        return _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if args.quiet else "default")
         res = quantize(args.model, args.calib_dir, output_dir=out, preprocess=pre, config=config,
                        input_shape=input_shape, model_name=name, progress=not args.quiet, extra_meta=extra_meta,
-                       strict=args.strict, devices=tuple(d.strip() for d in args.device.split(",") if d.strip()))
+                       strict=args.strict, devices=devices)
     print(f"quantized {args.model} for {', '.join(res.per_device)} on {res.n_calib_images} calibration images"
           + (f" ({res.n_skipped} unreadable, skipped)" if res.n_skipped else ""))
     for device, f in res.per_device.items():
@@ -194,6 +207,38 @@ def _quantize(argv) -> int:
             for line in result.lines():
                 print(line)
     return 0
+
+
+def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) -> int:
+    """quantize --accuracy-budget: calibrate once, then search fp32 exemptions per device."""
+    from maceq.datasets.images import ImageFolder
+    from maceq.quant.mixed import auto_mixed_precision, holdout_split
+    from maceq.quant.pipeline import calibrate
+
+    if args.accuracy_budget < 0:
+        raise MaceqError("--accuracy-budget must be >= 0")
+    cal = calibrate(args.model, args.calib_dir, preprocess=pre, config=config, input_shape=input_shape,
+                    progress=not args.quiet, strict=args.strict)
+    if args.eval_dir:
+        data = ImageFolder(args.eval_dir, pre, labels=args.labels or "auto", classes=extra_meta.get("classes"))
+    else:
+        data = holdout_split(args.calib_dir, pre, used=cal.n_images + cal.n_skipped)
+    status = 0
+    for device in devices:
+        r = auto_mixed_precision(cal, output_dir=out if len(devices) == 1 else out / device, eval_data=data,
+                                 budget_points=args.accuracy_budget, min_sqnr=args.min_sqnr,
+                                 max_fp32_layers=args.max_fp32_layers, device=device, model_name=name,
+                                 extra_meta=extra_meta, progress=not args.quiet)
+        print(f"[{device}] automatic mixed precision, budget {args.accuracy_budget:g} points:")
+        for s in r.trail:
+            sens = "" if s.sensitivity_db is None else f"isolated SQNR {s.sensitivity_db:7.2f} dB"
+            print(f"  step {s.step}: {(s.exempted or '(all layers uint8)'):<52} {sens:<26} -> {s.metric} "
+                  f"{s.value:6.2f}% (drop {s.drop_points:.2f} points, {s.data_bytes} weight bytes)")
+        print(f"  model: {r.files.yml}")
+        if not r.ok:
+            print(f"error: {r.message}", file=sys.stderr)
+            status = 3
+    return status
 
 
 FMNIST_CLASSES = ("T-shirt_top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",

@@ -99,3 +99,21 @@ def test_unmatched_pattern_is_an_error(tmp_path, shared_data):
                  config=QuantConfig(fp32_layers=("/nope/*",)))
     with pytest.raises(MaceqError, match="fp32_layers must be a list"):
         config_from_dict({"fp32_layers": "x"})
+
+
+def test_cli_auto_mode_flags(tmp_path, capsys, shared_data):
+    from maceq.quant.cli import quantize_main
+
+    model = str(shared_data / "models" / "fmnist_mobilenet.onnx")
+    calib = str(shared_data / "fashion_mnist" / "calib")
+    assert quantize_main([model, "--calib-dir", calib, "--preset", "fmnist", "--min-sqnr", "20", "-o",
+                          str(tmp_path / "a"), "-q"]) == 2
+    assert "--min-sqnr needs --accuracy-budget" in capsys.readouterr().err
+    # a zero budget with a cap of one layer cannot be met on the held-out calibration images: exit 3
+    rc = quantize_main([model, "--calib-dir", calib, "--preset", "fmnist", "--max-images", "100",
+                        "--accuracy-budget", "0", "--max-fp32-layers", "1", "--min-sqnr", "60", "-o",
+                        str(tmp_path / "b"), "-q"])
+    out, err = capsys.readouterr()
+    assert "step 0: (all layers uint8)" in out and "step 1:" in out
+    assert rc == 3 and "--max-fp32-layers 1" in err
+    assert (tmp_path / "b" / "fmnist_mobilenet.yml").is_file()  # the capped model is still written
