@@ -113,14 +113,17 @@ class Model:
         return params
 
     def placement(self, device: str) -> dict[str, tuple[str, str]]:
-        """Op name -> (where it runs, why it fell back), from one run on a zero input.
+        """Op name -> (where it runs, why it fell back), from one run on a probe input.
 
         On dsp, ops nnlib lacks or rejects run the cpu profile's kernels; the report counts the
         boundary transfers between the two.
         """
         profile = get_profile(device)
-        zeros = {n: np.zeros((1,) + tuple(self.input_shape(n)[1:]), np.float32) for n in self.input_names}
-        self.run(zeros, device=device)
+        probe = {}
+        for n in self.input_names:  # a deterministic ramp: a constant input gives some kernels an empty range
+            shape = (1,) + tuple(self.input_shape(n)[1:])
+            probe[n] = np.linspace(-1.0, 1.0, int(np.prod(shape)), dtype=np.float32).reshape(shape)
+        self.run(probe, device=device)
         out = {}
         for idx, op in enumerate(self.ops):
             kernel = self._kernel(op, profile)
