@@ -182,9 +182,8 @@ def _limit(value, key: str, where: str) -> float | None:
     v = float(value)
     lo, hi = _BOUNDS[key]
     if not math.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"[{'-inf' if lo is None else lo:g}, {'inf' if hi is None else hi:g}]" if lo is not None or hi is not None \
-            else "a finite number"
-        raise MaceqError(f"{where}: {key} must be in {rng}, got {value!r}")
+        rng = f"[{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}]"
+        raise MaceqError(f"{where}: {key} must be a finite number in {rng}, got {value!r}")
     return v
 
 
