@@ -4,7 +4,8 @@ import pytest
 from maceq.calibrate.methods import RangeMethod
 from maceq.errors import MaceqError
 from maceq.quant.config import config_from_dict, load_config
-from maceq.runtime import ops  # noqa: F401  (registers the kernels)
+from maceq.runtime import model as _model  # noqa: F401  (registers every kernel table)
+from maceq.runtime import ops
 from maceq.runtime.profiles import CPU, Device, Requant, get_profile
 from maceq.runtime.registry import _REGISTRY, DType, kernel_table, lookup, register
 
@@ -25,7 +26,9 @@ def test_device_table_is_default_plus_overrides():
     try:
         assert kernel_table(Device.DSP)[("Softmax", u8)] is DspSoftmax
         assert kernel_table(Device.CPU)[("Softmax", u8)] is ops.Softmax
-        assert kernel_table(Device.DSP)[("Conv2D", u8)] is ops.Conv2D  # inherited from the default table
+        assert kernel_table(Device.DSP)[("Conv2D", u8)] is not ops.Conv2D  # the dsp's own override
+        assert kernel_table(Device.DSP)[("Pooling", u8)] is not ops.Pooling
+        assert kernel_table(Device.DSP)[("Squeeze", u8)] is kernel_table(Device.CPU)[("Squeeze", u8)]  # inherited
     finally:
         del _REGISTRY[("Softmax", u8, Device.DSP)]
     with pytest.raises(MaceqError, match="op 'x'.*'Nope'"):
@@ -37,8 +40,7 @@ def test_cpu_profile_rules_are_data():
     assert p is CPU and p.fc_requant is Requant.FLOAT32_ROUNDF and p.conv_requant is Requant.GEMMLOWP
     with pytest.raises(MaceqError, match="unknown device 'npu'"):
         get_profile("npu")
-    with pytest.raises(MaceqError, match="no profile yet"):
-        get_profile("gpu")
+    assert get_profile("gpu").conv_requant is Requant.FLOAT32_RTE and get_profile("dsp").supernode_variant == "d32"
 
 
 def test_config_overrides_most_specific_glob_wins(tmp_path):
