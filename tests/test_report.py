@@ -12,6 +12,7 @@ import base64
 import functools
 import json
 import os
+import pickle
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -56,8 +57,19 @@ class Real:
 
 @functools.lru_cache(maxsize=2)
 def real_report(root: Path, shared: Path) -> Real:
-    """Quantize, evaluate, analyse and report once per test session (test_budget and
-    test_report_browser use it too)."""
+    """Quantize, evaluate, analyse and report once per test session: test_budget and
+    test_report_browser use it too. pytest's importlib mode loads this file under another module
+    name than their import, so the in-memory cache is not shared: the result is also pickled in
+    ``root`` (the session's temporary folder)."""
+    cached = root / "real.pickle"
+    if cached.is_file():
+        return pickle.loads(cached.read_bytes())
+    real = _build_real(root, shared)
+    cached.write_bytes(pickle.dumps(real))
+    return real
+
+
+def _build_real(root: Path, shared: Path) -> Real:
     root.mkdir(parents=True, exist_ok=True)
     m = onnx.load(str(shared / "models" / "fmnist_mobilenet.onnx"))
     node = next(n for n in m.graph.node if n.name == RENAMED)
@@ -377,3 +389,23 @@ def _umask() -> int:
     u = os.umask(0)
     os.umask(u)
     return u
+
+
+def test_make_report_from_model_files(real, tmp_path):
+    """The `maceq report QMODEL --images DIR` path: model files in, float graph from the recorded source."""
+    from maceq.reports.report import make_report
+
+    yml = real.res.per_device["cpu"].yml
+    rep, files = make_report({"cpu": yml}, real.data, output_dir=tmp_path, analysis_images=2, progress=False,
+                             budget=None)
+    assert files.json.is_file() and files.html.is_file()
+    ev = real.evals["cpu"]
+    s = rep["summary"]["devices"]["cpu"]
+    assert (s["top1_agreement"], s["float_accuracy"], s["int8_accuracy"]) == (
+        ev.top1_agreement, ev.float_accuracy, ev.int8_accuracy)
+    assert rep["devices"] == ["cpu"] and rep["data"]["analysis_images"] == 2
+    assert rep["model"]["source"] == str(real.onnx_path.resolve())
+    # the same layers (names, scales) as from the in-memory graph; metrics from 2 images differ
+    key = lambda r: (r["mace_op"], r["name"], r["scale"], r["zero_point"], r["precision"])  # noqa: E731
+    assert sorted(map(key, rep["layers"])) == sorted(map(key, dev_rows(real.report, "cpu")))
+    assert rep["summary"]["float_weight_bytes"] == real.report["summary"]["float_weight_bytes"]
