@@ -501,13 +501,15 @@ def write_report(report: Mapping, output_dir: str | os.PathLike, *, stem: str = 
     return ReportFiles(j, h)
 
 
-def make_report(qmodels: Mapping[str, Any], images, *, output_dir: str | os.PathLike,
+def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: str | os.PathLike,
                 float_model=None, analysis_images: int | None = 32, mixed: Mapping[str, Any] | None = None,
                 recovery: Iterable[Mapping] = (), budget=None, evals: Mapping[str, Any] | None = None,
                 progress: bool = True, batch_size: int = 16) -> tuple[dict, ReportFiles]:
     """Measure and write a report (``maceq report`` and ``quantize --report``).
 
-    ``qmodels``: device -> a loaded Model or a path to its .yml/.pb. ``images``: an ImageFolder
+    ``qmodels``: device -> a loaded Model, its ModelFiles (``QuantizeResult.per_device``) or a
+    path to its .yml/.pb; or a list of those, each for the device its metadata names (default
+    cpu). ``images``: an ImageFolder
     (labels from class folders or a CSV give the accuracy). ``float_model``: the optimised graph
     (``QuantizeResult.graph``) or an ONNX path; default: the source model the quantizer recorded.
     ``analysis_images``: the layer analysis runs on this many evenly spaced images (None: all).
@@ -518,7 +520,18 @@ def make_report(qmodels: Mapping[str, Any], images, *, output_dir: str | os.Path
     from maceq.reports.evaluate import evaluate
     from maceq.runtime.model import load
 
-    models = {d: (load(m) if isinstance(m, (str, os.PathLike)) else m) for d, m in qmodels.items()}
+    def _load(m):
+        if isinstance(m, (str, os.PathLike)):
+            return load(m)
+        return load(m.yml) if hasattr(m, "yml") else m  # ModelFiles, or a loaded Model
+
+    if isinstance(qmodels, Mapping):
+        models = {d: _load(m) for d, m in qmodels.items()}
+    else:
+        loaded = [_load(m) for m in qmodels]
+        models = {m.maceq_meta.get("device", "cpu"): m for m in loaded}
+        if len(models) != len(loaded):
+            raise MaceqError("report: give one model per device (two models were quantized for the same device)")
     meta = next(iter(models.values())).maceq_meta
     float_model = float_model if float_model is not None else meta.get("source_model")
     if float_model is None:

@@ -396,8 +396,7 @@ def test_make_report_from_model_files(real, tmp_path):
     from maceq.reports.report import make_report
 
     yml = real.res.per_device["cpu"].yml
-    rep, files = make_report({"cpu": yml}, real.data, output_dir=tmp_path, analysis_images=2, progress=False,
-                             budget=None)
+    rep, files = make_report([yml], real.data, output_dir=tmp_path, analysis_images=2, progress=False)
     assert files.json.is_file() and files.html.is_file()
     ev = real.evals["cpu"]
     s = rep["summary"]["devices"]["cpu"]
