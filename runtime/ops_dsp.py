@@ -78,11 +78,18 @@ class _Fallback:
 
     cpu_kernel: type
 
+    @property
+    def _cpu(self):
+        k = self.__dict__.get("_cpu_instance")
+        if k is None:  # one cpu kernel per dsp kernel: its plans are built once
+            k = self.__dict__["_cpu_instance"] = self.cpu_kernel()
+        return k
+
     def _fallback(self, op, in_q, ctx, reason):
-        return DspConvParams(False, reason, (1, 1), 0, (0, 0), self.cpu_kernel().prepare(op, in_q, ctx))
+        return DspConvParams(False, reason, (1, 1), 0, (0, 0), self._cpu.prepare(op, in_q, ctx))
 
     def _run_cpu(self, p, inputs):
-        return self.cpu_kernel().run(p.cpu, inputs)
+        return self._cpu.run(p.cpu, inputs)
 
 
 class _DspConv(_Fallback):
@@ -192,16 +199,18 @@ class DspConcatParams:
 
 @register("Concat", device=DSP)
 class DspConcat:
+    _concat = cpu_ops.Concat()
+
     def prepare(self, op: RtOp, in_q, ctx) -> DspConcatParams:
         axis = int(op.arg("axis", 3))
         if axis % 4 != 3:
             return DspConcatParams(False, f"axis {axis}: nnlib concatenates along depth only", axis,
-                                   cpu_ops.Concat().prepare(op, in_q, ctx))
+                                   self._concat.prepare(op, in_q, ctx))
         return DspConcatParams(True, "", axis)
 
     def run(self, p: DspConcatParams, inputs):
         if not p.on_dsp:
-            return cpu_ops.Concat().run(p.cpu, inputs)
+            return self._concat.run(p.cpu, inputs)
         y, mn, mx = K.quantized_concat([t.values for t in inputs], axis=p.axis,
                                        in_ranges=[rng(t.qinfo) for t in inputs])
         return [_qt(y, qinfo_of_range(mn, mx))]
