@@ -32,8 +32,9 @@ Global metrics: the device's value when ``devices: {d: {global: ...}}`` sets the
 top-level ``global`` value.
 
 A metric the budget limits but the report does not have (no labels, so no accuracy) is a
-violation ("not measured"): a gate must not pass on what it did not see. Layers kept in float32
-have no error metrics; they are not checked (JUnit: skipped). Exit codes of :func:`run_check`:
+violation ("not measured"): a gate must not pass on what it did not see (a uint8 layer the
+analysis did not measure fails its limits too). Layers kept in float32 have no error metrics;
+they are not checked (JUnit: skipped). Exit codes of :func:`run_check`:
 0 within budget, 1 over budget, 2 bad input (one line, ``error: ...``).
 """
 from __future__ import annotations
@@ -306,8 +307,8 @@ def evaluate_budget(report: Mapping, budget: Budget) -> list[tuple[tuple[str, st
             ok = _passes(direction, value, limit)
             out.append(((device, None, key), None if ok else Violation(device, None, key, metric, value, limit, where)))
         for L in layers:
-            if L["device"] != device or not L.get("measured", L.get("sqnr_db") is not None):
-                continue
+            if L["device"] != device or L.get("precision") == "fp32":
+                continue  # float32 layers are not quantized: no error metrics to check
             for key, (limit, rule) in budget.layer_limits(L["name"], device).items():
                 direction, metric = LAYER_KEYS[key]
                 value = metric_value(L.get(metric))
@@ -332,15 +333,14 @@ def junit_xml(report: Mapping, budget: Budget) -> bytes:
     suites = ET.Element("testsuites", name="maceq check")
     total = fails = skips = 0
     for device in devices:
-        cases = [(None, True)] + [(L["name"], L.get("measured", L.get("sqnr_db") is not None))
-                                  for L in layers if L["device"] == device]
+        cases = [(None, True)] + [(L["name"], L.get("precision") != "fp32") for L in layers if L["device"] == device]
         suite = ET.SubElement(suites, "testsuite", name=f"maceq.{device}")
         n = nf = ns = 0
-        for name, measured in cases:
+        for name, quantized in cases:
             tc = ET.SubElement(suite, "testcase", classname=f"maceq.{device}",
                                name="global metrics" if name is None else name)
             n += 1
-            if not measured:
+            if not quantized:
                 ET.SubElement(tc, "skipped", message="float32 layer: not quantized, no error metrics")
                 ns += 1
                 continue

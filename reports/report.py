@@ -196,8 +196,8 @@ def layer_rows(model, device: str, layers: Sequence | None, producers: Mapping[s
         tensor = tmap.get(op.outputs[0], op.outputs[0])
         L = by_op.get(op.name)
         t = op.arg("T")
-        if L is None and (t != DT_FLOAT or tensor not in producers):
-            continue  # uint8 ops the engine did not measure (no source tensor), shape ops, ...
+        if L is None and tensor not in producers:
+            continue  # no source-graph tensor (the engine's rule, analysis.quantized_layers)
         node = L.node if L is not None else producers.get(tensor)
         name = node or op.name
         q = op.out_qinfo[0] if op.out_qinfo else None

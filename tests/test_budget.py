@@ -236,3 +236,12 @@ def test_junit_one_testcase_per_layer(real, tmp_path):
     # same budget, XML as bytes: stable (atomic write replaced the file, no temp left)
     assert junit.read_bytes() == junit_xml(real.report, load_budget(b))
     assert [p.name for p in junit.parent.iterdir()] == ["results.xml"]
+
+
+def test_unmeasured_uint8_layer_fails_its_limits(real):
+    rep = json.loads(real.files.json.read_text())
+    row = next(r for r in rep["layers"] if r["device"] == "dsp" and r["precision"] == "uint8")
+    row.update(measured=False, metrics_mode=None, sqnr_db=None, cosine=None, max_abs_err=None)
+    vs = check(rep, budget_from_dict({"layers": {"*": {"min_cosine": 0.5}}}))
+    assert [(v.device, v.layer, v.value) for v in vs] == [("dsp", row["name"], None)]
+    assert vs[0].line() == f'dsp {row["name"]}: cosine not measured, budget min_cosine 0.5 (needs >= 0.5; rule "*")'
