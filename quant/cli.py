@@ -137,6 +137,10 @@ def _quantize(argv) -> int:
                    help="target device(s), comma-separated: cpu, gpu, dsp (one model per device)")
     p.add_argument("--fp32", action="append", default=[], metavar="NAME",
                    help="keep this layer in float32 (node or output name, glob allowed; repeatable)")
+    p.add_argument("--no-report", dest="report", action="store_false",
+                   help="do not write report.html/report.json beside the model (written whenever images are "
+                        "evaluated: --eval-dir, the demo, or --accuracy-budget)")
+    p.add_argument("--budget", help="after quantizing, check the report against this budget YAML (implies --report)")
     g = p.add_argument_group("automatic mixed precision")
     g.add_argument("--accuracy-budget", type=float, metavar="POINTS",
                    help="largest allowed drop of top-1 agreement (or accuracy, with labels) in points; layers are "
@@ -197,15 +201,33 @@ def _quantize(argv) -> int:
     if fallback:
         print(f"{len(fallback)} of {len(res.placement)} ops run in float32 (no uint8 kernel on the cpu device): "
               + ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8 else ""))
+    status = 0
     if args.eval_dir:
         classes = extra_meta.get("classes")
         labels = args.labels or "auto"
         data = ImageFolder(args.eval_dir, pre, labels=labels, classes=classes)
         print(f"evaluation on {args.eval_dir}:")
+        evals = {}
         for device, f in res.per_device.items():
-            result = evaluate(load(f.yml), args.model, data, device=device, progress=not args.quiet)
+            evals[device] = result = evaluate(load(f.yml), args.model, data, device=device, progress=not args.quiet)
             for line in result.lines():
                 print(line)
+        if args.report or args.budget:
+            status = _write_report(res.per_device, data, out, res.graph, evals, args)
+    elif args.budget:
+        raise MaceqError("--budget needs --eval-dir (the images the report measures)")
+    return status
+
+
+def _write_report(per_device, data, out, graph, evals, args, mixed=None) -> int:
+    from maceq.reports.budget import run_check
+    from maceq.reports.report import make_report
+
+    _, files = make_report(per_device, data, output_dir=out, float_model=graph, evals=evals, mixed=mixed,
+                           budget=args.budget, progress=not args.quiet)
+    print(f"report: {files.html}\n        {files.json}")
+    if args.budget:
+        return run_check(files.json, args.budget)
     return 0
 
 
@@ -224,6 +246,7 @@ def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) 
     else:
         data = holdout_split(args.calib_dir, pre, used=cal.n_images + cal.n_skipped)
     status = 0
+    results = {}
     for device in devices:
         r = auto_mixed_precision(cal, output_dir=out if len(devices) == 1 else out / device, eval_data=data,
                                  budget_points=args.accuracy_budget, min_sqnr=args.min_sqnr,
@@ -238,6 +261,12 @@ def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) 
         if not r.ok:
             print(f"error: {r.message}", file=sys.stderr)
             status = 3
+        results[device] = r
+    if args.report or args.budget:
+        per_device = {d: r.files for d, r in results.items()}
+        rc = _write_report(per_device, data, out, cal.graph, None, args,
+                           mixed={d: r.to_dict() for d, r in results.items()})
+        status = status or rc
     return status
 
 
@@ -371,6 +400,28 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_check(args) -> int:
+    from maceq.reports.budget import run_check
+
+    return run_check(args.report, args.budget, args.junit)
+
+
+def _cmd_report(args) -> int:
+    from maceq.datasets.images import ImageFolder
+    from maceq.reports.report import make_report
+    from maceq.runtime.model import load
+
+    models = [load(p) for p in args.qmodel]
+    meta = models[0].maceq_meta
+    data = ImageFolder(args.images, _preprocess_from(args, meta.get("preprocess")), labels=args.labels or "auto",
+                       classes=meta.get("classes"))
+    out = Path(args.output) if args.output else Path(args.qmodel[0]).resolve().parent
+    _, files = make_report(models, data, output_dir=out, float_model=args.float_model,
+                           analysis_images=args.analysis_images, budget=args.budget, progress=not args.quiet)
+    print(f"wrote {files.html}\nwrote {files.json}")
+    return 0
+
+
 def _maceq(argv) -> int:
     p = argparse.ArgumentParser(prog="maceq", description="Run, evaluate and inspect quantized MACE models.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -397,11 +448,26 @@ def _maceq(argv) -> int:
                    help="mask threshold for --task segmentation (default 0.3, PaddleOCR DB's)")
     e.add_argument("-q", "--quiet", action="store_true")
     _add_preprocess_args(e)
+    ck = sub.add_parser("check", help="gate CI on a report.json and a budget (exit 0 within, 1 over, 2 bad input)")
+    ck.add_argument("report", help="report.json")
+    ck.add_argument("--budget", required=True, help="budget YAML")
+    ck.add_argument("--junit", help="also write JUnit XML (one testcase per layer)")
+    rp = sub.add_parser("report", help="write report.html and report.json for quantized model(s)")
+    rp.add_argument("qmodel", nargs="+", help="the deployment .yml (or .pb) of each device's model")
+    rp.add_argument("--images", required=True, help="evaluation images")
+    rp.add_argument("--labels", help="labels CSV (file,label)")
+    rp.add_argument("-o", "--output", help="output folder (default: beside the first model)")
+    rp.add_argument("--float-model", help="float ONNX model (default: the one recorded at quantization)")
+    rp.add_argument("--analysis-images", type=int, default=32, help="images for the per-layer analysis (default 32)")
+    rp.add_argument("--budget", help="budget YAML: adds a budget section")
+    rp.add_argument("-q", "--quiet", action="store_true")
+    _add_preprocess_args(rp)
     i = sub.add_parser("inspect", help="print the quantized graph: ops, tensors, scales, sizes")
     i.add_argument("qmodel")
     i.add_argument("--device", default=None, help="show op placement on this device (default: the model's)")
     args = p.parse_args(argv)
-    return {"run": _cmd_run, "eval": _cmd_eval, "inspect": _cmd_inspect}[args.cmd](args)
+    return {"run": _cmd_run, "eval": _cmd_eval, "inspect": _cmd_inspect, "check": _cmd_check,
+            "report": _cmd_report}[args.cmd](args)
 
 
 def maceq_main(argv=None) -> int:

@@ -174,3 +174,30 @@ def test_efficientnet_lite0_from_the_cli(tmp_path, shared_data, capsys):
                        "-q", "--json", str(tmp_path / "e.json")]) == 0
     rep = json.loads((tmp_path / "e.json").read_text())
     assert rep["images"] == 91 and rep["float_top1_in_int8_top5"] >= 0.8
+
+
+def test_cli_report_and_check(tmp_path, capsys, monkeypatch):
+    """quantize writes the report beside the model; maceq check gates on a budget; maceq report rewrites it."""
+    monkeypatch.setenv("MACEQ_HOME", str(tmp_path / "home"))
+    out = tmp_path / "demo"
+    assert quantize_main(["-q", "-o", str(out)]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert (out / "report.html").read_text().lstrip().lower().startswith("<!doctype html")
+    assert rep["devices"] == ["cpu"]
+    sqnrs = sorted(L["sqnr_db"] for L in rep["layers"] if L["device"] == "cpu" and isinstance(L.get("sqnr_db"), float))
+    assert len(sqnrs) > 10
+    lo, hi = sqnrs[0], sqnrs[1]
+    tight = tmp_path / "tight.yml"
+    tight.write_text(f"layers:\n  '*': {{min_sqnr_db: {(lo + hi) / 2}}}\n")
+    assert maceq_main(["check", str(out / "report.json"), "--budget", str(tight)]) == 1
+    assert len([x for x in capsys.readouterr().out.splitlines() if "sqnr_db" in x]) == 1
+    loose = tmp_path / "loose.yml"
+    loose.write_text(f"layers:\n  '*': {{min_sqnr_db: {lo - 1}}}\n")
+    assert maceq_main(["check", str(out / "report.json"), "--budget", str(loose)]) == 0
+    bad = tmp_path / "bad.yml"
+    bad.write_text("layers:\n  '*': {min_snr: 3}\n")
+    assert maceq_main(["check", str(out / "report.json"), "--budget", str(bad)]) == 2
+    from maceq.quant.cli import default_assets
+    assert maceq_main(["report", str(out / "fmnist_mobilenet.yml"), "--images", str(default_assets() / "test"),
+                       "-o", str(tmp_path / "again"), "-q", "--analysis-images", "8"]) == 0
+    assert (tmp_path / "again" / "report.json").is_file()
