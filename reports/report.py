@@ -430,6 +430,30 @@ def depth_figure(rows: list[dict], device: str) -> str | None:
     return _svg_uri(fig)
 
 
+def tradeoff_figure(auto: Mapping | None, device: str) -> str | None:
+    """The mixed-precision trade-off: the search's metric against fp32 layers and against weight bytes."""
+    from matplotlib.figure import Figure
+
+    points = (auto or {}).get("tradeoff") or []
+    if not points:
+        return None
+    fig = Figure(figsize=(7.6, 2.8))
+    ax1, ax2 = fig.subplots(1, 2)
+    n = [p["n_fp32"] for p in points]
+    v = [p["value"] for p in points]
+    size = [p["data_bytes"] / 1e6 for p in points]
+    metric = points[0]["metric"].replace("_", " ")
+    ax1.plot(n, v, "o-", ms=4)
+    ax1.set_xlabel("layers in float32")
+    ax2.plot(size, v, "o-", ms=4, color="C1")
+    ax2.set_xlabel("weights (.data, MB)")
+    for ax in (ax1, ax2):
+        ax.set_ylabel(f"{metric} (%)")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"mixed-precision trade-off: {device}", fontsize=9)
+    return _svg_uri(fig)
+
+
 def histogram_figure(h: dict) -> str:
     """Histogram of a layer's float values (log counts) with the clipping range marked."""
     from matplotlib.figure import Figure
@@ -475,7 +499,9 @@ def render_html(report: Mapping) -> str:
     env.filters["pct"] = _pct
     figs = {d: depth_figure([r for r in report["layers"] if r["device"] == d], d) for d in report["devices"]}
     hist_figs = [histogram_figure(h) for h in report["histograms"]]
-    return env.get_template("report.html.j2").render(r=report, depth_figs=figs, hist_figs=hist_figs)
+    trade_figs = {d: tradeoff_figure(report["mixed_precision"][d].get("auto"), d) for d in report["devices"]}
+    return env.get_template("report.html.j2").render(r=report, depth_figs=figs, hist_figs=hist_figs,
+                                                     trade_figs=trade_figs)
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,10 @@ def test_cli_auto_mode_flags(tmp_path, capsys, shared_data):
     assert "step 0: (all layers uint8)" in out and "step 1:" in out
     assert rc == 3 and "--max-fp32-layers 1" in err
     assert (tmp_path / "b" / "fmnist_mobilenet.yml").is_file()  # the capped model is still written
+    # the trade-off (metric vs fp32 layers vs weight bytes) is recorded in report.json and plotted in the page
+    import json
+
+    auto = json.loads((tmp_path / "b" / "report.json").read_text())["mixed_precision"]["cpu"]["auto"]
+    assert auto["ok"] is False and [p["n_fp32"] for p in auto["tradeoff"]] == [0, 1]
+    assert auto["tradeoff"][1]["data_bytes"] >= auto["tradeoff"][0]["data_bytes"]
+    assert "trade-off on cpu" in (tmp_path / "b" / "report.html").read_text()
