@@ -443,7 +443,8 @@ class MaceBuilder:
     # -- whole graph ---------------------------------------------------------------
     def build(self, *, input_formats: dict[str, str], strict: bool = False, fp32=frozenset()) -> BuiltModel:
         g = self.g
-        self.view_src, self.placement = place_nodes(g, strict=strict, shapes=self.shapes, fp32=fp32)
+        self.view_src, self.placement = place_nodes(g, strict=strict, shapes=self.shapes, fp32=fp32,
+                                                    uint8_resize=self.scheme.uint8_resize)
         consumers = g.consumers()
         for vi in g.inputs:
             self.float_name[vi.name] = vi.name
@@ -556,9 +557,12 @@ def _resize_mapping(g: Graph, node: Node, shapes):
         return None
 
 
-def uint8_capable(g: Graph, node: Node, shapes=None) -> bool:
-    """Whether MACE's CPU runtime has a uint8 kernel for this node as the writer would emit it."""
+def uint8_capable(g: Graph, node: Node, shapes=None, *, uint8_resize: bool = True) -> bool:
+    """Whether the device runs this node in uint8 as the writer would emit it (MACE's CPU op set;
+    ``uint8_resize=False`` for devices with no integer ResizeBilinear)."""
     if node.op_type in ("Resize", "Upsample"):
+        if not uint8_resize:
+            return False
         m = _resize_mapping(g, node, shapes or {})
         return m is not None and m.mace is not None
     if node.op_type not in MaceBuilder.EMITTERS:
@@ -581,7 +585,7 @@ def select_nodes(g: Graph, patterns) -> set[str]:
             if any(fnmatch.fnmatchcase(name, p) for p in patterns for name in node_names(n))}
 
 
-def place_nodes(g: Graph, *, strict: bool = False, shapes=None, fp32=frozenset()
+def place_nodes(g: Graph, *, strict: bool = False, shapes=None, fp32=frozenset(), uint8_resize: bool = True
                 ) -> tuple[dict[str, str], dict[str, str]]:
     """Decide where each node runs: ``uint8`` (a MACE uint8 kernel) or ``float32`` (float fallback).
 
@@ -595,12 +599,13 @@ def place_nodes(g: Graph, *, strict: bool = False, shapes=None, fp32=frozenset()
     for node in g.nodes:
         if node.op_type in MaceBuilder.VIEW_OPS:
             cons = consumers.get(node.outputs[0], [])
-            if (cons and all(c.op_type in ("Gemm", "MatMul") and c.name not in fp32 and uint8_capable(g, c, shapes)
+            if (cons and all(c.op_type in ("Gemm", "MatMul") and c.name not in fp32
+                             and uint8_capable(g, c, shapes, uint8_resize=uint8_resize)
                              for c in cons)
                     and node.outputs[0] not in g.outputs):
                 views[node.outputs[0]] = node.inputs[0]
                 continue
-        if node.name not in fp32 and uint8_capable(g, node, shapes):
+        if node.name not in fp32 and uint8_capable(g, node, shapes, uint8_resize=uint8_resize):
             placement[node.name] = UINT8
             continue
         if node.op_type not in FLOAT_EMITTABLE:

@@ -95,6 +95,8 @@ class CpuScheme:
 
     name = "cpu"
     per_channel = False
+    #: whether a linear Resize can be a uint8 ResizeBilinear (MACE's CPU has that kernel)
+    uint8_resize = True
 
     def activation(self, lo: float, hi: float) -> AffineParams:
         return adjust_range(lo, hi, non_zero=False)
@@ -119,6 +121,7 @@ class GpuScheme(CpuScheme):
 
     name = "gpu"
     per_channel = True
+    uint8_resize = False  # no integer resize kernel: it runs on the fp16_fp32 float path
 
     def weights(self, w: np.ndarray, *, out_axis_last_two: bool = False) -> QuantizedWeights:
         from maceq.runtime.kernels.gpu import gpu_quantize_weights

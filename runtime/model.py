@@ -194,13 +194,22 @@ class Model:
                     raise MaceqError(f"op '{op.name}': input '{i}' is not available")
             in_q = tuple(t.qinfo for t in ins)
             params = self._prepare(idx, op, kernel, in_q, profile)
+            half = profile.float_storage == "float16" and kernel.dtype is DType.FLOAT
+            if half and not getattr(kernel, "half_storage", False):
+                # fp16_fp32 mode: float ops compute in float32 from half-stored inputs ...
+                ins = [QTensor(t.values.astype(np.float32), t.qinfo) if t.values.dtype == np.float16 else t
+                       for t in ins]
             outs = kernel.run(params, ins)
+            if half:
+                # ... and store half
+                outs = [QTensor(t.values.astype(np.float16), None) if t.qinfo is None and
+                        np.issubdtype(t.values.dtype, np.floating) else t for t in outs]
             for name, t in zip(op.outputs, outs):
                 values[name] = t
         outputs = {}
         for name in self.output_names:
             t = values[name]
-            y = t.values if t.qinfo is None else t.dequantize()
+            y = t.values.astype(np.float32) if t.qinfo is None else t.dequantize()
             info = self.output_info[name]
             rank = len(info.dims)
             if rank == 4:

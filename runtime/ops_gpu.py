@@ -226,7 +226,11 @@ class GpuQuantize(_UsesBackend):
 
     def run(self, p: GpuQuantizeParams, inputs):
         scale = float(np.int32(p.scale_bits).view(np.float32))
-        y = self.backend.quantize(np.asarray(inputs[0].values, np.float32), scale=scale, zero_point=p.zero_point)
+        x = inputs[0].values
+        if x.dtype == np.float16:  # a half-stored float tensor (fp16_fp32 mode)
+            y = self.backend.quantize_half(x, scale=scale, zero_point=p.zero_point)
+        else:
+            y = self.backend.quantize(np.asarray(x, np.float32), scale=scale, zero_point=p.zero_point)
         return [_qt(y, QInfo(scale, p.zero_point))]
 
 
@@ -241,5 +245,59 @@ class GpuDequantize(_UsesBackend):
         return GpuDequantizeParams()
 
     def run(self, p, inputs):
+        # fp16_fp32 mode: the Dequantize op's output image is half
         t = inputs[0]
-        return [_qt(self.backend.dequantize(t.values, scale=t.qinfo.scale, zero_point=t.qinfo.zero_point), None)]
+        return [_qt(self.backend.dequantize_half(t.values, scale=t.qinfo.scale, zero_point=t.qinfo.zero_point),
+                    None)]
+
+
+# -- the float path (fp16_fp32 mode): ops whose OpenCL float kernels the simulation reproduces exactly --
+from maceq.runtime import ops_float as _F  # noqa: E402
+from maceq.runtime.registry import DType  # noqa: E402
+
+
+def _float_params(p):
+    """The float kernels' prepared params (ops_float wraps them with their op)."""
+    return p[1] if isinstance(p, tuple) else p
+
+
+@register("Activation", device=GPU, dtype=DType.FLOAT)
+class GpuFloatActivation(_UsesBackend):
+    """SIGMOID and HARDSIGMOID run the gpu's ``activation_half`` kernel; other kinds the float32 kernel."""
+
+    half_storage = True
+
+    def prepare(self, op: RtOp, in_q, ctx):
+        return _F.Activation().prepare(op, in_q, ctx)
+
+    def run(self, p, inputs):
+        act = _float_params(p).act
+        kind = {"SIGMOID": K.GpuActivation.SIGMOID, "HARDSIGMOID": K.GpuActivation.HARD_SIGMOID}.get(act.kind.name)
+        x = inputs[0].values
+        if kind is None or x.dtype != np.float16:
+            out = _F.Activation().run(p, [_qt(x.astype(np.float32), None)])
+            return [_qt(out[0].values.astype(np.float16), None)]
+        alpha = beta = None
+        if kind is K.GpuActivation.HARD_SIGMOID:
+            alpha, beta = act.hs_alpha, act.hs_beta
+        return [_qt(self.backend.half_activation(x, kind=kind, alpha=alpha, beta=beta), None)]
+
+
+@register("Eltwise", device=GPU, dtype=DType.FLOAT)
+class GpuFloatEltwise(_UsesBackend):
+    """PROD of two half tensors runs the gpu's ``mul_half``; the rest the float32 kernel, stored half."""
+
+    half_storage = True
+
+    def prepare(self, op: RtOp, in_q, ctx):
+        return _F.Eltwise().prepare(op, in_q, ctx)
+
+    def run(self, p, inputs):
+        vals = [t.values for t in inputs]
+        ep = _float_params(p)
+        if (ep.kind.name == "PROD" and len(vals) == 2 and not any(ep.const_inputs)
+                and all(v.dtype == np.float16 for v in vals)):
+            return [_qt(self.backend.half_mul(vals[0], vals[1]), None)]
+        out = _F.Eltwise().run(p, [_qt(v.astype(np.float32) if v.dtype == np.float16 else v, t.qinfo)
+                                   for v, t in zip(vals, inputs)])
+        return [_qt(out[0].values.astype(np.float16), None)]

@@ -73,6 +73,9 @@ class DeviceProfile:
     #: nnlib Supernode requantization (dsp only): "d32" = the _d32 ops a Hexagon device runs (31-bit
     #: reciprocal and shift), "ref" = op_supernode.c's flat reference (16-bit reciprocal, ~7 bits).
     supernode_variant: str | None = None
+    #: How float tensors between float ops are stored: "float32", or "float16" (MACE's GPU fp16_fp32 mode:
+    #: compute in float32, store half).
+    float_storage: str = "float32"
 
 
 CPU = DeviceProfile(
@@ -104,6 +107,7 @@ GPU = DeviceProfile(
     conv_rescales_bias=False,
     find_range_every_time=False,
     honours_activation_args=False,
+    float_storage="float16",
 )
 
 DSP = DeviceProfile(

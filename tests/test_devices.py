@@ -116,3 +116,53 @@ def test_gpu_opencl_backend_equals_simulation_mobilenet_v2(shared_data, tmp_path
     mismatches = {n: int(np.count_nonzero(t.values != ocl.tensors[n].values)) for n, t in sim.tensors.items()}
     assert sum(mismatches.values()) == 0, {k: v for k, v in mismatches.items() if v}
     assert len(mismatches) > 60
+
+
+def test_gpu_float_path_stores_half_and_matches_opencl(tmp_path, monkeypatch):
+    """Ops without an integer kernel run MACE's fp16_fp32 path on the gpu: float32 math, half storage,
+    and the OpenCL float kernels give the same codes as the simulation."""
+    import onnx
+    from onnx import helper, numpy_helper
+    from PIL import Image
+
+    from maceq.datasets.preprocess import Preprocess
+    from maceq.runtime.kernels import gpu as G
+
+    monkeypatch.setenv("POCL_CACHE_DIR", str(tmp_path / "pocl"))
+    rng = np.random.default_rng(4)
+    inits = {"w1": rng.normal(0, 0.4, (6, 3, 3, 3)).astype(np.float32),
+             "w2": rng.normal(0, 0.4, (6, 6, 1, 1)).astype(np.float32),
+             "roi": np.zeros(0, np.float32), "sc": np.array([1, 1, 2, 2], np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("GlobalAveragePool", ["c1"], ["gap"], name="gap"),
+             helper.make_node("Conv", ["gap", "w2"], ["se"], name="se_conv"),
+             helper.make_node("HardSigmoid", ["se"], ["hs"], alpha=0.2, beta=0.5, name="hsig"),
+             helper.make_node("Mul", ["c1", "hs"], ["scaled"], name="se_mul"),
+             helper.make_node("Resize", ["scaled", "roi", "sc"], ["up"], mode="linear",
+                              coordinate_transformation_mode="asymmetric", name="up"),
+             helper.make_node("Sigmoid", ["up"], ["y"], name="sig")]
+    g = helper.make_graph(nodes, "fp", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3, 8, 8])],
+                          [helper.make_empty_tensor_value_info("y")],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    path = tmp_path / "fp.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), path)
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    for k in range(6):
+        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(imgs / f"{k}.png")
+    pre = Preprocess(resize=(8, 8), scale=1 / 255)
+    res = quantize(path, imgs, output_dir=tmp_path / "out", preprocess=pre, progress=False, devices=("cpu", "gpu"))
+    cpu_model, gpu_model = load(res.per_device["cpu"].yml), load(res.per_device["gpu"].yml)
+    # the cpu has MACE's uint8 ResizeBilinear; the gpu has no integer resize: float path
+    assert any(op.type == "ResizeBilinear" and op.arg("T") == 2 for op in cpu_model.ops)
+    assert any(op.type == "ResizeBilinear" and op.arg("T") == 1 for op in gpu_model.ops)
+    x = next(ImageFolder(imgs, pre, labels=None).iter_batches(1)).data
+    sim = gpu_model.run({"x": x}, device="gpu", intermediates=True)
+    hs = next(op for op in gpu_model.ops if op.type == "Activation" and op.arg("activation") == "HARDSIGMOID")
+    h_in = sim.tensors[hs.inputs[0]].values
+    assert h_in.dtype == np.float16 and sim.tensors[hs.outputs[0]].values.dtype == np.float16
+    np.testing.assert_array_equal(sim.tensors[hs.outputs[0]].values,
+                                  G.gpu_half_activation(h_in, kind=G.GpuActivation.HARD_SIGMOID, alpha=0.2, beta=0.5))
+    ocl = gpu_model.run({"x": x}, device="gpu", intermediates=True, backend="opencl")
+    bad = {n: int(np.count_nonzero(t.values != ocl.tensors[n].values)) for n, t in sim.tensors.items()}
+    assert sum(bad.values()) == 0, {k: v for k, v in bad.items() if v}
