@@ -99,40 +99,16 @@ class MaceBuilder:
         self.placement: dict[str, str] = {}
 
     # -- precision boundaries ------------------------------------------------------
-    def _input_quantize(self, vi):
-        qname = INPUT_PREFIX + vi.name
-        op = self.net.op.add()
-        op.input.append(vi.name)
-        op.output.append(qname)
-        op.name = qname
-        op.type = "Quantize"
-        _arg(op, "T", DT_UINT8)
-        _arg(op, "data_format", DF_NHWC)
-        _arg(op, "find_range_every_time", 1)
-        op.output_shape.add().dims.extend(_nhwc(self.shapes[vi.name]))
-        p = self._range_q(vi.name)
-        self._qinfo_msg(op, p)
-        self.qinfo[qname] = p
-        self.rename[vi.name] = qname
-        self.op_sources[qname] = vi.name
-        self.tensor_map[qname] = vi.name
-
-    def _as_uint8(self, tensor: str) -> str:
-        """The MACE name of ``tensor``'s uint8 version, inserting a Quantize op after a float producer."""
-        if tensor in self.rename:
-            return self.rename[tensor]
-        src = self.float_name.get(tensor)
-        if src is None:
-            raise MaceqError(f"tensor '{tensor}' is used before it is produced")
-        qname = tensor + "__quant"
+    def _quantize_op(self, src: str, qname: str, tensor: str, *, find_range: bool, data_format: int) -> str:
+        """A Quantize op making the uint8 tensor ``qname`` from the float ``src`` (IR tensor ``tensor``)."""
         op = self.net.op.add()
         op.input.append(src)
         op.output.append(qname)
         op.name = qname
         op.type = "Quantize"
         _arg(op, "T", DT_UINT8)
-        _arg(op, "data_format", DF_AUTO)
-        _arg(op, "find_range_every_time", 0)
+        _arg(op, "data_format", data_format)
+        _arg(op, "find_range_every_time", int(find_range))
         op.output_shape.add().dims.extend(_nhwc(self.shapes[tensor]))
         p = self._range_q(tensor)
         self._qinfo_msg(op, p)
@@ -141,6 +117,19 @@ class MaceBuilder:
         self.op_sources[qname] = tensor
         self.tensor_map[qname] = tensor
         return qname
+
+    def _input_quantize(self, vi):
+        # MACE's input Quantize recomputes its range from every input (find_range_every_time).
+        self._quantize_op(vi.name, INPUT_PREFIX + vi.name, vi.name, find_range=True, data_format=DF_NHWC)
+
+    def _as_uint8(self, tensor: str) -> str:
+        """The MACE name of ``tensor``'s uint8 version, inserting a Quantize op after a float producer."""
+        if tensor in self.rename:
+            return self.rename[tensor]
+        src = self.float_name.get(tensor)
+        if src is None:
+            raise MaceqError(f"tensor '{tensor}' is used before it is produced")
+        return self._quantize_op(src, tensor + "__quant", tensor, find_range=False, data_format=DF_AUTO)
 
     def _dequantize(self, tensor: str, src: str, *, out_name: str, op_name: str) -> str:
         prod = next(op for op in self.net.op if src in op.output)
