@@ -9,7 +9,9 @@ Oracles, none of them the fast code's own earlier output:
   bounds and far beyond them, reductions longer than 256, int8 data, per-channel parameters;
 - a whole model run on the runtime's fast kernels against the same model run on the ``*_ref`` kernels,
   every intermediate tensor, on real images.
-Each test also checks which path the plans took, so the fast paths are really exercised.
+Each test also checks which path the plans took, so the fast paths are really exercised. The Conv2D and
+DepthwiseConv2d tests run twice (fixture ``loops``): on the compiled loops of runtime/kernels/jit.py and on
+the numpy fast paths.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from maceq.runtime import load
 from maceq.runtime.fixedpoint import INT32_MAX, INT32_MIN, multiply_by_quantized_multiplier, requant_floor_terms
 from maceq.runtime.kernels import conv as k_conv
 from maceq.runtime.kernels import eltwise as k_elt
+from maceq.runtime.kernels import jit as k_jit
 from maceq.runtime.kernels.conv import (
     FloatRequant,
     conv2d_plan,
@@ -101,6 +104,18 @@ def test_requant_floor_terms_domain(q, shift):
         requant_floor_terms(q, shift, 0)
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def loops(request, monkeypatch):
+    """Run a test on the compiled loops (runtime/kernels/jit.py) and on the numpy fast paths."""
+    if request.param == "numpy":
+        monkeypatch.setenv("MACEQ_NO_JIT", "1")
+        assert not k_jit.available()
+    else:
+        monkeypatch.delenv("MACEQ_NO_JIT", raising=False)
+        assert k_jit.available(), "numba is a dependency: the compiled loops must be available"
+    return request.param
+
+
 # ----------------------------------------------------------------------------- Conv2D
 
 def _conv_args(rng, o, *, x_zp, lo, hi, bias_bits, per_channel, big_shift=False):
@@ -112,7 +127,7 @@ def _conv_args(rng, o, *, x_zp, lo, hi, bias_bits, per_channel, big_shift=False)
                       act_min=int(rng.integers(lo, lo + 40)), act_max=int(rng.integers(hi - 40, hi + 1)))
 
 
-def test_conv2d_ties_and_the_negative_correction():
+def test_conv2d_ties_and_the_negative_correction(loops):
     """acc = +-(x - x_zp) + bias over 256 consecutive values per channel: every tie of both rounding
     steps for shifts 0..12, with out_zp well inside the clamp so negative accumulators matter."""
     rng = np.random.default_rng(1)
@@ -133,7 +148,7 @@ def test_conv2d_ties_and_the_negative_correction():
         assert np.array_equal(plan(x), conv2d_ref(x, w, bias, **kw))
 
 
-def test_conv2d_fast_equals_ref_random():
+def test_conv2d_fast_equals_ref_random(loops):
     rng = np.random.default_rng(2)
     paths = Counter()
     for i in range(150):
@@ -164,7 +179,7 @@ def test_conv2d_fast_equals_ref_random():
 
 
 @pytest.mark.parametrize("k, spread, path", [(600, 100, "g32"), (2000, 127, "g64")])
-def test_conv2d_beyond_the_exact_region(k, spread, path):
+def test_conv2d_beyond_the_exact_region(k, spread, path, loops):
     """Long reductions where |G|*q can pass 2^53 (bound B fails): the saturation argument must carry
     the accumulators far outside the exact region to the right clamp, on both sides."""
     rng = np.random.default_rng(k)
@@ -186,7 +201,7 @@ def test_conv2d_beyond_the_exact_region(k, spread, path):
 
 # ----------------------------------------------------------------------------- DepthwiseConv2d
 
-def test_depthwise_ties_and_the_negative_correction():
+def test_depthwise_ties_and_the_negative_correction(loops):
     rng = np.random.default_rng(3)
     c = 60
     x = np.arange(256, dtype=np.uint8).reshape(1, 16, 16, 1).repeat(c, axis=3)
@@ -201,7 +216,7 @@ def test_depthwise_ties_and_the_negative_correction():
     assert np.array_equal(plan(x), depthwise_conv2d_ref(x, w, bias, **kw))
 
 
-def test_depthwise_fast_equals_ref_random():
+def test_depthwise_fast_equals_ref_random(loops):
     rng = np.random.default_rng(4)
     paths = Counter()
     for i in range(120):

@@ -42,6 +42,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from maceq.errors import MaceqError
+from maceq.runtime.kernels import jit
 from maceq.runtime.fixedpoint import (
     INT32_MAX,
     INT32_MIN,
@@ -907,10 +908,16 @@ class Conv2dPlan:
         y = np.empty((rows_t, og))
         gb = y if folded else np.empty((rows_t, og), dt)
 
+        compiled = jit.available()
+
         def gemm_finish(m, grp, dst):
             """GEMM of the first m rows of ``a`` for group ``grp``, requantized into ``dst``."""
-            mt = -(-m // reps) * reps
             np.matmul(a[:m], mats[grp], out=gb[:m])
+            if compiled:  # the same float64 steps in one compiled pass (runtime/kernels/jit.py)
+                jit.requant_store(gb[:m], self.rq, dst.reshape(m, og), affine=not folded,
+                                  channels=slice(grp * og, (grp + 1) * og))
+                return
+            mt = -(-m // reps) * reps
             gb[m:mt] = 0  # the rows that only complete the last tile: finite, never written out
             yv = y[:mt].reshape(mt // reps, reps * og)
             if not folded:
@@ -990,6 +997,7 @@ class DepthwiseConv2dPlan:
         self.rq = _ExactRequant(p, out_zp, l1) if float_multiplier is None else None
         self._taps: dict = {}
         self._setups: dict = {}
+        self._jit_w: dict = {}
 
     def _tap_groups(self, g: _Geometry, dtype) -> list:
         """The kernel columns grouped by the input phase they read (see _column_phases):
@@ -1052,6 +1060,13 @@ class DepthwiseConv2dPlan:
             return _depthwise_conv2d_generic(x, self.w, self.bias, **kw_)
         fixed = self.rq is not None
         o = c * mult
+        if fixed and mult == 1 and jit.available():  # one compiled pass per output row (runtime/kernels/jit.py)
+            out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)
+            wc = self._jit_w.get(dtype)
+            if wc is None:
+                wc = self._jit_w[dtype] = np.ascontiguousarray(self.wo[:, :, :, 0], dtype=dtype)
+            jit.depthwise_fixed(np.subtract(x, self.x_zp, dtype=dtype), wc, g, self.rq, out)
+            return out
         groups = self._tap_groups(g, dtype)
         out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)
         rb = max(1, min(g.oh, _DW_BLOCK_BYTES // (8 * g.ow * o)))
