@@ -144,7 +144,7 @@ def test_conv2d_ties_and_the_negative_correction(loops):
         kw = dict(x_zp=128, w_zp=w_zp, out_zp=out_zp, multiplier=q, shift=shift, act_min=lo, act_max=hi,
                   out_dtype=dt)
         plan = conv2d_plan(w, bias, **kw)
-        assert plan.path() == "folded"
+        assert plan.path() == ("g32" if loops == "compiled" else "folded")
         assert np.array_equal(plan(x), conv2d_ref(x, w, bias, **kw))
 
 
@@ -175,7 +175,10 @@ def test_conv2d_fast_equals_ref_random(loops):
         plan = conv2d_plan(wt, bias, **kw_args)
         paths[plan.path(dtype)] += 1
         assert np.array_equal(plan(x), conv2d_ref(x, wt, bias, **kw_args)), i
-    assert paths["folded"] >= 30 and paths["g32"] >= 20 and paths["generic"] >= 5, paths
+    if loops == "compiled":  # the compiled requantization makes G + one pass beat the folded GEMM
+        assert paths["folded"] == 0 and paths["g32"] >= 50 and paths["generic"] >= 5, paths
+    else:
+        assert paths["folded"] >= 30 and paths["g32"] >= 20 and paths["generic"] >= 5, paths
 
 
 @pytest.mark.parametrize("k, spread, path", [(600, 100, "g32"), (2000, 127, "g64")])

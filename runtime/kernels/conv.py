@@ -643,6 +643,11 @@ def fully_connected_fixed_ref(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier
 #    floor comes first.
 # 6. No int32 wrap. The plans require X*L1 + |bias| <= INT32_MAX, so acc is the
 #    int32 value the C kernels compute.
+# Compiled loops (runtime/kernels/jit.py, numba): where numba is available, the
+# requantization of arguments 3-5 runs as one compiled pass per GEMM block (the
+# same float64 operations per element, so the same proofs), the folded GEMM of
+# argument 2 is then not used, and DepthwiseConv2d with multiplier 1 accumulates
+# G tap by tap in a compiled loop. MACEQ_NO_JIT=1 selects the numpy paths.
 # Outside these bounds (inputs wider than 16 bits, huge biases or shifts, left
 # shifts, negative multipliers) the generic int64 paths above run instead.
 
@@ -849,7 +854,10 @@ class Conv2dPlan:
         folded = self.rq.folded_ok(xb)
         og = self.wo.shape[0] // self.group
         groups = [slice(i * og, (i + 1) * og) for i in range(self.group)]
-        if folded and (g_dtype is None or k < _SGEMM_MIN_K or g_dtype is np.float64):
+        # With the compiled loops the affine step costs nothing extra (it is in the one requantization
+        # pass), so G by sgemm/dgemm always wins over the folded float64 GEMM where it is exact.
+        prefer_g = g_dtype is not None and jit.available()
+        if folded and not prefer_g and (g_dtype is None or k < _SGEMM_MIN_K or g_dtype is np.float64):
             mats = []
             for sl in groups:
                 m = np.empty((k + 1, og))
