@@ -108,12 +108,13 @@ def _parse_hw(value: Any, key: str) -> tuple[int, int] | None:
             raise MaceqError(f"preprocess key '{key}': {value!r} is not H,W") from None
     try:
         hw = tuple(int(v) for v in value)
-    except (TypeError, ValueError):
+        if len(hw) == 1:
+            hw = (hw[0], hw[0])
+            value = (value[0], value[0])
+        exact = all(float(v) == int(v) for v in value)
+    except (TypeError, ValueError, OverflowError):
         raise MaceqError(f"preprocess key '{key}': {value!r} is not a pair of ints") from None
-    if len(hw) == 1:
-        hw = (hw[0], hw[0])
-        value = (value[0], value[0])
-    if len(hw) != 2 or min(hw) <= 0 or any(float(v) != int(v) for v in value):
+    if len(hw) != 2 or min(hw) <= 0 or not exact:
         raise MaceqError(f"preprocess key '{key}': {value!r} is not two positive ints (h, w)")
     return hw  # type: ignore[return-value]
 
@@ -123,7 +124,7 @@ def _parse_float(value: Any, key: str) -> float:
         raise MaceqError(f"preprocess key '{key}': {value!r} is not a number")
     try:
         out = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise MaceqError(f"preprocess key '{key}': {value!r} is not a number") from None
     if not math.isfinite(out):
         raise MaceqError(f"preprocess key '{key}': {value!r} is not finite")
@@ -146,9 +147,15 @@ def _parse_floats(value: Any, key: str) -> tuple[float, ...] | None:
     return tuple(_parse_float(v, key) for v in items)
 
 
+def _one_line(text: str) -> str:
+    """``text`` with its line breaks escaped (a key from a YAML file may hold one)."""
+    lines = text.splitlines()
+    return text if len(lines) == 1 else "\\n".join(lines) or repr(text)
+
+
 def _reciprocal_int(scale: float) -> int | None:
     """n when ``scale == 1.0 / n`` for an integer 1 <= n <= 65535, else None."""
-    if scale <= 0:
+    if scale <= 0 or not math.isfinite(1.0 / scale):  # a subnormal scale: 1/scale overflows
         return None
     n = round(1.0 / scale)
     if 1 <= n <= 65535 and 1.0 / n == scale:
@@ -181,9 +188,11 @@ class Preprocess:
                 raise MaceqError(f"preprocess key 'resize_short': {rs!r} is not a positive int")
             try:
                 rs_i = int(rs)
-            except ValueError:
+                if float(rs) != rs_i:
+                    raise ValueError
+            except (ValueError, OverflowError):
                 raise MaceqError(f"preprocess key 'resize_short': {rs!r} is not a positive int") from None
-            if rs_i <= 0 or float(rs) != rs_i:
+            if rs_i <= 0:
                 raise MaceqError(f"preprocess key 'resize_short': {rs!r} is not a positive int")
             set_(self, "resize_short", rs_i)
         set_(self, "resize", _parse_hw(self.resize, "resize"))
@@ -252,7 +261,7 @@ class Preprocess:
         for key in d:
             if key not in known and key != "preset":
                 raise MaceqError(
-                    f"preprocess: unknown key '{key}' (known: preset, {', '.join(sorted(known))})"
+                    f"preprocess: unknown key '{_one_line(str(key))}' (known: preset, {', '.join(sorted(known))})"
                 )
         kw = {k: v for k, v in d.items() if k != "preset"}
         if d.get("preset") is not None:
@@ -264,7 +273,7 @@ class Preprocess:
         known = {f.name for f in fields(self)}
         for key in kw:
             if key not in known:
-                raise MaceqError(f"preprocess: unknown key '{key}'")
+                raise MaceqError(f"preprocess: unknown key '{_one_line(str(key))}'")
         return replace(self, **kw)
 
     # -- the work --------------------------------------------------------------

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import defs, helper, numpy_helper
 
 from maceq.errors import MaceqError
 from maceq.quant.ir import Graph, Node, ValueInfo
@@ -17,21 +17,38 @@ from maceq.quant.ir import Graph, Node, ValueInfo
 MIN_OPSET, MAX_OPSET = 11, 21
 
 
-def _attr_value(a: onnx.AttributeProto):
-    v = helper.get_attribute_value(a)
+def _first_line(e: BaseException) -> str:
+    lines = str(e).splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _to_array(t: onnx.TensorProto, what: str) -> np.ndarray:
+    """numpy_helper.to_array, with a one-line MaceqError for a tensor that does not decode
+    (undefined or unknown data type, raw data that does not fill ``dims``, ...)."""
+    try:
+        return numpy_helper.to_array(t)
+    except Exception as e:  # onnx raises TypeError, ValueError, KeyError, ... on such tensors
+        raise MaceqError(f"{what}: tensor does not decode ({_first_line(e)})") from None
+
+
+def _attr_value(a: onnx.AttributeProto, where: str):
+    try:
+        v = helper.get_attribute_value(a)
+    except Exception as e:  # an attribute of undefined/unknown type
+        raise MaceqError(f"{where}: attribute {a.name!r} does not decode ({_first_line(e)})") from None
     if isinstance(v, bytes):
         return v.decode("utf-8", "replace")
     if isinstance(v, onnx.TensorProto):
-        return numpy_helper.to_array(v)
+        return _to_array(v, f"{where}: attribute {a.name!r}")
     if isinstance(v, list):
         return [x.decode() if isinstance(x, bytes) else x for x in v]
     return v
 
 
-def _constant_value(node: onnx.NodeProto) -> np.ndarray:
+def _constant_value(node: onnx.NodeProto, source: str) -> np.ndarray:
     for a in node.attribute:
         if a.name == "value":
-            return numpy_helper.to_array(a.t)
+            return _to_array(a.t, f"{source}: Constant node {node.name!r}")
         if a.name == "value_float":
             return np.array(a.f, np.float32)
         if a.name == "value_floats":
@@ -40,7 +57,28 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray:
             return np.array(a.i, np.int64)
         if a.name == "value_ints":
             return np.array(list(a.ints), np.int64)
-    raise MaceqError(f"Constant node '{node.name}' has no supported value attribute")
+    raise MaceqError(f"Constant node {node.name!r} has no supported value attribute")
+
+
+def _check_arity(n: onnx.NodeProto, name: str, opset: int, source: str) -> None:
+    """The node's input/output counts against its ONNX schema at ``opset`` (an op without a schema
+    is left to the support check). The passes index ``node.inputs`` as the schema allows, so a
+    node with too few inputs, or an empty name in a required slot, is rejected here."""
+    try:
+        schema = defs.get_schema(n.op_type, opset, "")
+    except Exception:  # SchemaError: unknown op or not in this opset
+        return
+    where = f"{source}: node {name!r} ({n.op_type})"
+    if not schema.min_input <= len(n.input) <= schema.max_input:
+        raise MaceqError(f"{where} has {len(n.input)} inputs; opset {opset} allows "
+                         f"{schema.min_input}..{schema.max_input}")
+    if not schema.min_output <= len(n.output) <= schema.max_output:
+        raise MaceqError(f"{where} has {len(n.output)} outputs; opset {opset} allows "
+                         f"{schema.min_output}..{schema.max_output}")
+    single = defs.OpSchema.FormalParameterOption.Single
+    for k, formal in enumerate(schema.inputs[: len(n.input)]):
+        if formal.option == single and not n.input[k]:
+            raise MaceqError(f"{where}: required input {k} ({formal.name}) is empty")
 
 
 def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
@@ -56,8 +94,25 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
+def _one_line(text: str) -> str:
+    """``text`` with its line breaks escaped (node and tensor names in a model may hold one)."""
+    lines = text.splitlines()
+    return text if len(lines) == 1 else "\\n".join(lines) or repr(text)
+
+
 def import_onnx(model: onnx.ModelProto, *, source: str = "model") -> Graph:
-    """Convert an ONNX ModelProto to the IR; opset outside [11, 21] is an error."""
+    """Convert an ONNX ModelProto to the IR; opset outside [11, 21] is an error.
+
+    Nodes are checked against their ONNX schema's input/output counts (see ``_check_arity``).
+    A MaceqError from here is one line (line breaks in names are escaped).
+    """
+    try:
+        return _import_onnx(model, source)
+    except MaceqError as e:
+        raise MaceqError(_one_line(str(e))) from None
+
+
+def _import_onnx(model: onnx.ModelProto, source: str) -> Graph:
     opset = None
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx"):
@@ -67,20 +122,23 @@ def import_onnx(model: onnx.ModelProto, *, source: str = "model") -> Graph:
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise MaceqError(f"{source}: opset {opset} is outside the supported range {MIN_OPSET}..{MAX_OPSET}")
     g = model.graph
-    inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    inits = {t.name: _to_array(t, f"{source}: initializer {t.name!r}") for t in g.initializer}
     nodes: list[Node] = []
     used_names: set[str] = set()
     for i, n in enumerate(g.node):
         if n.domain not in ("", "ai.onnx"):
             raise MaceqError(f"{source}: node '{n.name or n.op_type}' uses custom domain '{n.domain}' op '{n.op_type}'")
         if n.op_type == "Constant":
-            inits[n.output[0]] = _constant_value(n)
+            if len(n.output) != 1:
+                raise MaceqError(f"{source}: Constant node {n.name!r} has {len(n.output)} outputs, needs 1")
+            inits[n.output[0]] = _constant_value(n, source)
             continue
         name = n.name or f"{n.op_type}_{i}"
         if name in used_names:
             name = f"{name}_{i}"
         used_names.add(name)
-        attrs = {a.name: _attr_value(a) for a in n.attribute}
+        _check_arity(n, name, opset, source)
+        attrs = {a.name: _attr_value(a, f"{source}: node {name!r}") for a in n.attribute}
         nodes.append(Node(name, n.op_type, list(n.input), list(n.output), attrs))
     inputs = []
     for vi in g.input:
@@ -98,6 +156,13 @@ def import_onnx(model: onnx.ModelProto, *, source: str = "model") -> Graph:
 
 def fix_input_shapes(graph: Graph, input_shape: list[int] | None) -> dict[str, list[int]]:
     """Concrete input shapes: dynamic batch becomes 1, other dynamic dims need ``input_shape``."""
+    try:
+        return _fix_input_shapes(graph, input_shape)
+    except MaceqError as e:
+        raise MaceqError(_one_line(str(e))) from None
+
+
+def _fix_input_shapes(graph: Graph, input_shape: list[int] | None) -> dict[str, list[int]]:
     shapes = {}
     for k, vi in enumerate(graph.inputs):
         if input_shape is not None and k == 0:
@@ -106,6 +171,8 @@ def fix_input_shapes(graph: Graph, input_shape: list[int] | None) -> dict[str, l
                                  f"input '{vi.name}' has rank {len(vi.shape)}")
             shapes[vi.name] = list(input_shape)
             continue
+        if not vi.shape:
+            raise MaceqError(f"input {vi.name!r} is a scalar (rank 0); maceq needs a batched tensor input")
         dims = []
         for j, d in enumerate(vi.shape):
             if isinstance(d, int) and d > 0:

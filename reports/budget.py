@@ -180,8 +180,11 @@ def _limit(value, key: str, where: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise MaceqError(f"{where}: {key} must be a number or null, got {value!r}")
-    v = float(value)
     lo, hi = _BOUNDS[key]
+    try:
+        v = float(value)
+    except OverflowError:  # an integer beyond float range (YAML reads any digit string as int)
+        v = math.inf
     if not math.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"[{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}]"
         raise MaceqError(f"{where}: {key} must be a finite number in {rng}, got {value!r}")
@@ -203,8 +206,21 @@ def _layer_rules(d, device: str | None, where: str, start: int) -> list[LayerRul
     return rules
 
 
+def _one_line(text: str) -> str:
+    """``text`` with its line breaks escaped (a key or glob from the file may hold one)."""
+    lines = text.splitlines()
+    return text if len(lines) == 1 else "\\n".join(lines) or repr(text)
+
+
 def budget_from_dict(d: Any, *, source: str = "budget") -> Budget:
-    """Validate a parsed budget document (see the module docstring)."""
+    """Validate a parsed budget document (see the module docstring); MaceqError is one line."""
+    try:
+        return _budget_from_dict(d, source=source)
+    except MaceqError as e:
+        raise MaceqError(_one_line(str(e))) from None
+
+
+def _budget_from_dict(d: Any, *, source: str) -> Budget:
     from maceq.runtime.profiles import Device
 
     if d is None:
@@ -243,6 +259,8 @@ def load_budget(path: str | os.PathLike) -> Budget:
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1})" if mark is not None else ""
         raise MaceqError(f"{path}: not valid YAML{at}") from None
+    except RecursionError:  # PyYAML's composer recurses once per nesting level
+        raise MaceqError(f"{path}: YAML nested too deeply") from None
     return budget_from_dict(d, source=str(path))
 
 

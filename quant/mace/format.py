@@ -343,7 +343,10 @@ def parse_ranges(text: str, *, source: str = "range file") -> dict[str, tuple[fl
 def read_ranges(path) -> dict[str, tuple[float, float]]:
     """Read a MACE range file into {tensor: (min, max)}, in file order."""
     path = Path(path)
-    return parse_ranges(_read_text(path), source=str(path))
+    try:
+        return parse_ranges(_read_text(path), source=str(path))
+    except MaceqError as e:
+        raise MaceqError(_one_line(str(e))) from None
 
 
 def write_ranges(path, ranges: Mapping[str, tuple[float, float]]) -> Path:
@@ -357,6 +360,13 @@ def write_ranges(path, ranges: Mapping[str, tuple[float, float]]) -> Path:
 # Files
 
 
+def _one_line(text: str) -> str:
+    """``text`` with its line breaks escaped: a MaceqError message is one line even when a file or
+    tensor name read from the model holds a line break."""
+    lines = text.splitlines()
+    return text if len(lines) == 1 else "\\n".join(lines) or repr(text)
+
+
 def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
@@ -366,6 +376,8 @@ def _read_bytes(path: Path) -> bytes:
         raise MaceqError(f"{path}: is a folder, not a file") from None
     except OSError as e:
         raise MaceqError(f"{path}: cannot read: {e.strerror or e}") from None
+    except ValueError:  # a path with a NUL byte (from a yml key)
+        raise MaceqError(f"{path!r}: not a usable file name") from None
 
 
 def _read_text(path: Path) -> str:
@@ -672,6 +684,8 @@ def _load_yml(path: Path) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise MaceqError(f"{path}: not valid YAML{where}") from None
+    except RecursionError:  # PyYAML's composer recurses once per nesting level
+        raise MaceqError(f"{path}: YAML nested too deeply") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("models"), dict) or not doc["models"]:
         raise MaceqError(f"{path}: not a MACE deployment file (no 'models' mapping)")
     return doc
@@ -714,9 +728,16 @@ def read_model(path) -> LoadedModel:
     When the yml's path keys name the .pb/.data that were read, their
     ``model_sha256_checksum``/``weight_sha256_checksum`` must match
     (``checksums_verified`` tells whether they were checked). A missing file, a
-    garbage .pb, a checksum mismatch or a truncated .data raises MaceqError.
+    garbage .pb, a checksum mismatch or a truncated .data raises MaceqError (one line: line breaks
+    in names taken from the files are escaped).
     """
-    path = Path(path)
+    try:
+        return _read_model(Path(path))
+    except MaceqError as e:
+        raise MaceqError(_one_line(str(e))) from None
+
+
+def _read_model(path: Path) -> LoadedModel:
     deployment = None
     pb_from_yml = data_from_yml = False
     entry: dict = {}
