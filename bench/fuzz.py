@@ -37,6 +37,7 @@ The working corpus and crash artifacts go to ``--workdir`` (default ``$TMPDIR/ma
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import hashlib
 import os
@@ -99,6 +100,7 @@ class _Scratch:
     def dir(cls) -> Path:
         if cls._dir is None:
             cls._dir = Path(tempfile.mkdtemp(prefix="maceq-fuzz-"))
+            atexit.register(shutil.rmtree, cls._dir, True)
         return cls._dir
 
     @classmethod
