@@ -590,17 +590,10 @@ def signature(exc: BaseException) -> str:
 #: ``MACEQ_FUZZ_STRICT=1``) counts them again. Remove an entry once its owner has fixed it:
 #: tests/test_fuzz_smoke.py fails while an entry no longer reproduces.
 KNOWN: dict[str, str] = {
-    "UnicodeDecodeError at quant/config.py:load_config": "K1: config file that is not UTF-8",
-    "UnicodeDecodeError at quant/cli.py:_preprocess_from": "K2: --preprocess file that is not UTF-8",
     "TypeError at quant/passes/constants.py:_eval_numeric": "K3: tensor attribute (0-d) re-encoded by folding",
     "ValueError at quant/passes/constants.py:_eval_numeric": "K4: attribute value re-encoded by folding",
     "ValueError at quant/ir.py:to_onnx": "K5: empty list attribute re-encoded by to_onnx",
     "ValueError at quant/passes/batchnorm.py:fold_batchnorm": "K6: BatchNormalization params of another length",
-    "AttributeError at quant/config.py:config_from_dict": "K7: config 'layers' that is not a mapping",
-    "MaceqError(multi-line) at quant/config.py:config_from_dict": "K8: config key with a line break",
-    "RecursionError at quant/config.py:load_config": "K9: deeply nested config YAML",
-    "TypeError at quant/cli.py:_preprocess_from": "K10: --preprocess file with a non-string key",
-    "RecursionError at quant/cli.py:_preprocess_from": "K11: deeply nested --preprocess YAML",
 }
 
 

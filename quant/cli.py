@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.yamlio import read_yaml
 
 DEFAULT_MODEL_NAME = "fmnist_mobilenet"
 
@@ -59,8 +60,6 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
 
 
 def _preprocess_from(args, recorded: dict | None):
-    import yaml
-
     from maceq.datasets.preprocess import Preprocess, preprocess_from_args
 
     if args.preset:
@@ -70,14 +69,8 @@ def _preprocess_from(args, recorded: dict | None):
     else:
         base = None
     if args.preprocess:
-        try:
-            with open(args.preprocess, encoding="utf-8") as f:
-                d = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise MaceqError(f"{args.preprocess}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise MaceqError(f"{args.preprocess}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(d, dict):
+        d = read_yaml(args.preprocess, what="preprocessing file") or {}
+        if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
             raise MaceqError(f"{args.preprocess}: must be a mapping of preprocessing keys")
         preset = d.pop("preset", None)
         if preset is not None and base is None:

@@ -11,8 +11,14 @@ Example::
       "/features/0/*": {range_method: min_max}
       "logits": {range_method: percentile, percentile: 99.9}
     fp32_layers: ["/features/0/*"]   # keep these layers in float32 (mixed precision)
+    recipe: accurate              # a named set of the switches below (quant/recipes.py)
+    cle: true                     # cross-layer equalization (docs/recovery.md)
+    high_bias_absorption: true    # with cle: absorb high biases into the next layer
+    bias_correction: true         # empirical bias correction per device
+    bias_correction_images: 32    # calibration images it measures on
 
-Every key is validated; an unknown key is an error that names it.
+Every key is validated; an unknown key is an error that names it. Precedence, lowest first:
+the defaults, the recipe, the keys written in the file, the command-line flags.
 """
 from __future__ import annotations
 
@@ -21,12 +27,13 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import yaml
-
-from maceq.calibrate.methods import RangeMethod
+from maceq.calibrate.methods import RangeMethod, parse_method
 from maceq.errors import MaceqError
+from maceq.yamlio import one_line, read_yaml
 
-TOP_KEYS = {"range_method", "percentile", "batch_size", "max_images", "preprocess", "layers", "fp32_layers"}
+RECOVERY_KEYS = {"cle", "high_bias_absorption", "bias_correction", "bias_correction_images"}
+TOP_KEYS = {"range_method", "percentile", "batch_size", "max_images", "preprocess", "layers", "fp32_layers",
+            "recipe"} | RECOVERY_KEYS
 LAYER_KEYS = {"range_method", "percentile"}
 
 
@@ -48,10 +55,29 @@ class QuantConfig:
     #: Globs of layers kept in float32 (mixed precision); matched against node names, the names of
     #: nodes fused into them, and their output tensor names.
     fp32_layers: tuple[str, ...] = field(default_factory=tuple)
+    #: The recipe applied (quant/recipes.py), if any.
+    recipe: str | None = None
+    #: Accuracy-recovery switches (docs/recovery.md).
+    cle: bool = False
+    high_bias_absorption: bool = False
+    bias_correction: bool = False
+    bias_correction_images: int = 32
+    #: The keys set explicitly (config file or command line): a recipe does not override them.
+    explicit: frozenset = field(default_factory=frozenset, compare=False)
 
     def with_cli(self, **kw: Any) -> "QuantConfig":
         """Apply command-line values that were given (None means 'not given')."""
-        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+        given = {k: v for k, v in kw.items() if v is not None}
+        return replace(self, **given, explicit=self.explicit | set(given))
+
+    def with_recipe(self, name: str | None) -> "QuantConfig":
+        """Apply a recipe's switches to every key not set explicitly; None: unchanged."""
+        if name is None:
+            return self
+        from maceq.quant.recipes import recipe_settings
+
+        settings = {k: v for k, v in recipe_settings(name).items() if k not in self.explicit}
+        return replace(self, **settings, recipe=name)
 
     def method_for(self, tensor: str) -> tuple[RangeMethod, float]:
         """Range method and percentile for one tensor: the most specific matching glob wins.
@@ -71,9 +97,11 @@ class QuantConfig:
 
 
 def _method(value, where: str) -> RangeMethod:
+    if not isinstance(value, (str, RangeMethod)):
+        raise MaceqError(f"{where}: range_method must be a name, got {value!r}")
     try:
-        return RangeMethod(str(value))
-    except ValueError:
+        return parse_method(value)
+    except MaceqError:
         raise MaceqError(f"{where}: unknown range_method '{value}' "
                          f"(choose from {', '.join(m.value for m in RangeMethod)})") from None
 
@@ -101,7 +129,7 @@ def config_from_dict(d: Any, *, source: str = "config") -> QuantConfig:
         raise MaceqError(f"{source}: the top level must be a mapping")
     for k in d:
         if k not in TOP_KEYS:
-            raise MaceqError(f"{source}: unknown key '{k}' (allowed: {', '.join(sorted(TOP_KEYS))})")
+            raise MaceqError(f"{source}: unknown key '{one_line(k)}' (allowed: {', '.join(sorted(TOP_KEYS))})")
     kw: dict[str, Any] = {}
     if "range_method" in d:
         kw["range_method"] = _method(d["range_method"], f"{source}: range_method")
@@ -121,27 +149,34 @@ def config_from_dict(d: Any, *, source: str = "config") -> QuantConfig:
             raise MaceqError(f"{source}: fp32_layers must be a list of layer-name globs")
         kw["fp32_layers"] = tuple(v)
     layers = []
+    if not isinstance(d.get("layers") or {}, dict):
+        raise MaceqError(f"{source}: layers must be a mapping of layer-name globs to settings")
     for pattern, spec in (d.get("layers") or {}).items():
-        where = f"{source}: layers['{pattern}']"
+        where = f"{source}: layers['{one_line(pattern)}']"
         if not isinstance(spec, dict):
             raise MaceqError(f"{where} must be a mapping")
         for k in spec:
             if k not in LAYER_KEYS:
-                raise MaceqError(f"{where}: unknown key '{k}' (allowed: {', '.join(sorted(LAYER_KEYS))})")
+                raise MaceqError(f"{where}: unknown key '{one_line(k)}' (allowed: {', '.join(sorted(LAYER_KEYS))})")
         layers.append(LayerOverride(str(pattern),
                                     _method(spec["range_method"], where) if "range_method" in spec else None,
                                     _percentile(spec["percentile"], where) if "percentile" in spec else None))
     kw["layers"] = tuple(layers)
-    return QuantConfig(**kw)
+    for key in ("cle", "high_bias_absorption", "bias_correction"):
+        if key in d:
+            if not isinstance(d[key], bool):
+                raise MaceqError(f"{source}: {key} must be true or false, got {d[key]!r}")
+            kw[key] = d[key]
+    if "bias_correction_images" in d:
+        kw["bias_correction_images"] = _positive_int(d["bias_correction_images"], f"{source}: bias_correction_images")
+    explicit = frozenset(k for k in d if k != "recipe")
+    cfg = QuantConfig(**kw, explicit=explicit)
+    if "recipe" in d:
+        if not isinstance(d["recipe"], str):
+            raise MaceqError(f"{source}: recipe must be a name, got {d['recipe']!r}")
+        cfg = cfg.with_recipe(d["recipe"])
+    return cfg
 
 
 def load_config(path: str | os.PathLike) -> QuantConfig:
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise MaceqError(f"{path}: no such config file") from None
-    except yaml.YAMLError as e:
-        raise MaceqError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    return config_from_dict(data, source=path)
+    return config_from_dict(read_yaml(path, what="config file"), source=os.fspath(path))

@@ -50,9 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 
 from maceq.errors import MaceqError
+from maceq.yamlio import read_text, read_yaml
 
 #: Global budget keys -> (direction, the report's metric under summary.devices.<device>).
 GLOBAL_KEYS: dict[str, tuple[str, str]] = {
@@ -243,25 +243,9 @@ def _budget_from_dict(d: Any, *, source: str) -> Budget:
     return Budget(source, glob, tuple(dev_global), tuple(rules))
 
 
-def _read_text(path: str | os.PathLike, what: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise MaceqError(f"{path}: cannot read the {what} ({getattr(e, 'strerror', None) or e})") from None
-
-
 def load_budget(path: str | os.PathLike) -> Budget:
     """Read and validate a budget YAML file; MaceqError names the file and the key at fault."""
-    text = _read_text(path, "budget file")
-    try:
-        d = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" (line {mark.line + 1})" if mark is not None else ""
-        raise MaceqError(f"{path}: not valid YAML{at}") from None
-    except RecursionError:  # PyYAML's composer recurses once per nesting level
-        raise MaceqError(f"{path}: YAML nested too deeply") from None
-    return budget_from_dict(d, source=str(path))
+    return budget_from_dict(read_yaml(path, what="budget file"), source=str(path))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -404,7 +388,7 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
 
 def load_report(path: str | os.PathLike) -> dict:
     """Read a report.json; MaceqError (one line) when unreadable or not a maceq report."""
-    text = _read_text(path, "report")
+    text = read_text(path, what="report")
     try:
         report = json.loads(text)
     except json.JSONDecodeError as e:
