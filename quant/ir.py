@@ -24,6 +24,72 @@ from maceq.errors import MaceqError
 ACT_ATTR = "maceq_act"
 
 
+def _schema_attr_type(op_type: str, key: str, opset: int):
+    """The AttributeProto type the ONNX schema of ``op_type`` (default domain, ``opset``) gives
+    attribute ``key``, or None when there is no schema or no such attribute."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except Exception:  # SchemaError: unknown op or not in this opset
+        return None
+    attr = schema.attributes.get(key)
+    return None if attr is None else attr.type
+
+
+def onnx_attribute(op_type: str, key: str, value, *, opset: int, where: str = "") -> onnx.AttributeProto:
+    """Encode one IR attribute value back to an ``onnx.AttributeProto``.
+
+    The importer (quant/onnx_import.py) decodes attributes to plain values, so the ONNX type is
+    not carried along; ``helper.make_attribute`` guesses it from the value, which fails or
+    guesses wrong in three cases handled here:
+
+    * a numpy array is always a TENSOR attribute (the importer decodes only TENSOR attributes to
+      arrays): encoded with ``numpy_helper.from_array``, which also takes 0-d and bool arrays and
+      keeps a 1-element array a tensor (``make_attribute`` would make it FLOATS);
+    * an empty list gets the type the op's schema declares (INTS when there is none);
+    * an ``AttributeProto`` is copied under the new key.
+
+    Anything ``make_attribute`` still rejects raises MaceqError naming ``where`` and the key.
+    """
+    try:
+        if isinstance(value, onnx.AttributeProto):
+            out = onnx.AttributeProto()
+            out.CopyFrom(value)
+            out.name = key
+            return out
+        if isinstance(value, np.ndarray):
+            return helper.make_attribute(key, numpy_helper.from_array(value))
+        if isinstance(value, (list, tuple)) and len(value) == 0:
+            attr_type = _schema_attr_type(op_type, key, opset)
+            if attr_type is None or attr_type not in _LIST_TYPES:
+                attr_type = onnx.AttributeProto.INTS
+            return helper.make_attribute(key, [], attr_type=attr_type)
+        return helper.make_attribute(key, value)
+    except MaceqError:
+        raise
+    except Exception as e:  # onnx raises TypeError/ValueError on values it cannot encode
+        lines = str(e).splitlines()
+        raise MaceqError(f"{where or op_type}: attribute {key!r} cannot be encoded for ONNX "
+                         f"({lines[0] if lines else type(e).__name__})") from None
+
+
+_LIST_TYPES = {onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS, onnx.AttributeProto.STRINGS,
+               onnx.AttributeProto.TENSORS, onnx.AttributeProto.GRAPHS, onnx.AttributeProto.SPARSE_TENSORS,
+               onnx.AttributeProto.TYPE_PROTOS}
+
+
+def make_onnx_node(op_type: str, inputs, outputs, *, name: str = "", attrs: dict | None = None,
+                   opset: int) -> onnx.NodeProto:
+    """An ``onnx.NodeProto`` from IR parts; maceq-only attributes (``maceq_*``) are left out and
+    the others are encoded by :func:`onnx_attribute`."""
+    node = helper.make_node(op_type, list(inputs), list(outputs), name=name or None)
+    where = f"node '{name}' ({op_type})" if name else op_type
+    for key, value in (attrs or {}).items():
+        if key.startswith("maceq_"):
+            continue
+        node.attribute.append(onnx_attribute(op_type, key, value, opset=opset, where=where))
+    return node
+
+
 @dataclass
 class Node:
     name: str
@@ -143,13 +209,14 @@ class Graph:
         """
         onodes = []
         for n in self.nodes:
-            attrs = {k: v for k, v in n.attrs.items() if not k.startswith("maceq_")}
             act = n.attrs.get(ACT_ATTR)
             if act is None:
-                onodes.append(helper.make_node(n.op_type, n.inputs, n.outputs, name=n.name, **attrs))
+                onodes.append(make_onnx_node(n.op_type, n.inputs, n.outputs, name=n.name, attrs=n.attrs,
+                                             opset=self.opset))
                 continue
             pre = n.outputs[0] + "__maceq_preact"
-            onodes.append(helper.make_node(n.op_type, n.inputs, [pre], name=n.name + "__maceq_op", **attrs))
+            onodes.append(make_onnx_node(n.op_type, n.inputs, [pre], name=n.name + "__maceq_op", attrs=n.attrs,
+                                         opset=self.opset))
             lo, hi = act
             if np.isinf(hi) and lo == 0.0:
                 onodes.append(helper.make_node("Relu", [pre], [n.outputs[0]], name=n.name))

@@ -10,11 +10,11 @@ evaluated with onnx's reference evaluator.
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper, numpy_helper
+from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from maceq.errors import MaceqError
-from maceq.quant.ir import Graph, Node
+from maceq.quant.ir import Graph, Node, make_onnx_node
 
 
 class _Sym:
@@ -62,24 +62,34 @@ def _eval_symbolic(node: Node, vals: list[np.ndarray]):
     raise MaceqError(f"node '{node.name}' ({op}): cannot fold a symbolic shape through this op")
 
 
-def _eval_numeric(node: Node, vals: list[np.ndarray]) -> list[np.ndarray]:
+def _eval_numeric(node: Node, vals: list[np.ndarray], *, opset: int) -> list[np.ndarray]:
+    """Evaluate one node on constant inputs with onnx's reference evaluator, at the graph's opset.
+
+    The node's attributes are re-encoded by :func:`maceq.quant.ir.make_onnx_node` (a TENSOR
+    attribute such as ConstantOfShape's ``value`` goes back as a tensor, whatever its rank or dtype).
+    """
     ins = [f"i{k}" for k in range(len(vals))]
     outs = [f"o{k}" for k in range(len(node.outputs))]
-    attrs = {k: v for k, v in node.attrs.items() if not k.startswith("maceq_")}
-    onode = helper.make_node(node.op_type, ins, outs, **attrs)
-    graph = helper.make_graph([onode], "fold", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-                                                for n, v in zip(ins, vals)],
-                              [helper.make_empty_tensor_value_info(o) for o in outs])
+    onode = make_onnx_node(node.op_type, ins, outs, name=node.name, attrs=node.attrs, opset=opset)
     try:
-        ev = ReferenceEvaluator(helper.make_model(graph))
+        graph = helper.make_graph([onode], "fold",
+                                  [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                                   for n, v in zip(ins, vals)],
+                                  [helper.make_empty_tensor_value_info(o) for o in outs])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        ev = ReferenceEvaluator(model)
         return ev.run(None, dict(zip(ins, vals)))
-    except Exception as e:
-        raise MaceqError(f"node '{node.name}' ({node.op_type}): constant folding failed: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - the evaluator raises many types on a bad node
+        lines = str(e).splitlines()
+        raise MaceqError(f"node '{node.name}' ({node.op_type}): constant folding failed: "
+                         f"{lines[0] if lines else type(e).__name__}") from None
 
 
 def fold_constants(g: Graph, input_shapes: dict[str, list[int]]) -> int:
     """Fold every node whose inputs are all known; returns the number folded."""
-    dynamic_batch = {vi.name for vi in g.inputs if not (isinstance(vi.shape[0], int) and vi.shape[0] > 0)} if g.inputs else set()
+    # A rank-0 input has no batch dimension (fix_input_shapes rejects it; graphs built by hand may have one).
+    dynamic_batch = {vi.name for vi in g.inputs
+                     if vi.shape and not (isinstance(vi.shape[0], int) and vi.shape[0] > 0)}
     static_shapes = None
     sym: dict[str, np.ndarray] = {}
     folded = 0
@@ -119,7 +129,7 @@ def fold_constants(g: Graph, input_shapes: dict[str, list[int]]) -> int:
             folded += 1
             continue
         vals = [v.astype(np.int64) if v.dtype == object else v for v in vals]
-        outs = _eval_numeric(node, vals)
+        outs = _eval_numeric(node, vals, opset=g.opset)
         for name, val in zip(node.outputs, outs):
             g.initializers[name] = np.asarray(val)
         g.nodes.remove(node)
