@@ -120,6 +120,17 @@ def _quantize(argv) -> int:
     p.add_argument("--config", help="YAML quantization config (range methods, per-layer overrides, ...)")
     p.add_argument("--range-method", choices=[m.value for m in RangeMethod], help="activation range method")
     p.add_argument("--percentile", type=float, help="percentile for --range-method percentile (default 99.99)")
+    r = p.add_argument_group("accuracy recovery (docs/recovery.md)")
+    r.add_argument("--recipe", help="named set of the switches below: default, accurate (quant/recipes.py); "
+                   "explicit flags and config keys win over it")
+    r.add_argument("--cle", action=argparse.BooleanOptionalAction, default=None,
+                   help="cross-layer equalization of the float graph before calibration")
+    r.add_argument("--high-bias-absorption", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --cle: move high biases into the next layer")
+    r.add_argument("--bias-correction", action=argparse.BooleanOptionalAction, default=None,
+                   help="empirical bias correction per device, on calibration images")
+    r.add_argument("--bias-correction-images", type=int, metavar="N",
+                   help="calibration images the bias correction measures on (default 32)")
     p.add_argument("--batch-size", type=int, help="calibration batch size (default 8)")
     p.add_argument("--max-images", type=int, help="use at most N calibration images")
     p.add_argument("--input-shape", help="fix the input shape, e.g. 1,3,224,224")
@@ -161,6 +172,12 @@ def _quantize(argv) -> int:
     config = load_config(args.config) if args.config else QuantConfig()
     config = config.with_cli(range_method=RangeMethod(args.range_method) if args.range_method else None,
                              percentile=args.percentile, batch_size=args.batch_size, max_images=args.max_images)
+    if args.bias_correction_images is not None and args.bias_correction_images < 1:
+        raise MaceqError("--bias-correction-images must be >= 1")
+    config = config.with_cli(cle=args.cle, high_bias_absorption=args.high_bias_absorption,
+                             bias_correction=args.bias_correction,
+                             bias_correction_images=args.bias_correction_images)
+    config = config.with_recipe(args.recipe)
     if args.fp32:
         config = config.with_cli(fp32_layers=tuple(config.fp32_layers) + tuple(args.fp32))
     pre = _preprocess_from(args, config.preprocess)
@@ -186,6 +203,10 @@ def _quantize(argv) -> int:
             print(f"  [{device}]")
         for label, path in (("graph", f.pb), ("weights", f.data), ("deployment", f.yml), ("ranges", f.ranges)):
             print(f"  {label:<10} {path}")
+    for device, steps in res.recovery.items():
+        for step in steps:
+            print(f"  {step['step']}" + (f" [{device}]" if step["step"] == "bias correction" else "")
+                  + f": {step['detail']}")
     kept = set(res.fp32)
     if kept:
         print(f"{len(kept)} layers kept in float32 by request: " + ", ".join(sorted(kept)[:8])
@@ -228,12 +249,14 @@ def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) 
     """quantize --accuracy-budget: calibrate once, then search fp32 exemptions per device."""
     from maceq.datasets.images import ImageFolder
     from maceq.quant.mixed import auto_mixed_precision, holdout_split
-    from maceq.quant.pipeline import calibrate
+    from maceq.quant.pipeline import calibrate, correct_bias
 
     if args.accuracy_budget < 0:
         raise MaceqError("--accuracy-budget must be >= 0")
     cal = calibrate(args.model, args.calib_dir, preprocess=pre, config=config, input_shape=input_shape,
                     progress=not args.quiet, strict=args.strict)
+    if config.bias_correction:
+        correct_bias(cal, devices, progress=not args.quiet)
     if args.eval_dir:
         data = ImageFolder(args.eval_dir, pre, labels=args.labels or "auto", classes=extra_meta.get("classes"))
     else:

@@ -35,6 +35,7 @@ class QuantizeResult:
     model_name: str
     fp32: frozenset = frozenset()  # nodes kept in float32 by request
     per_device: dict = field(default_factory=dict)  # device -> ModelFiles
+    recovery: dict = field(default_factory=dict)  # device -> accuracy-recovery steps applied
 
 
 def tensors_to_calibrate(graph: Graph) -> list[str]:
@@ -86,6 +87,41 @@ class Calibration:
     n_skipped: int
     preprocess: Preprocess
     config: QuantConfig
+    calib_dir: Path | None = None
+    #: accuracy-recovery steps applied to the graph (each {"step", "detail", ...}), for the report
+    recovery: list = field(default_factory=list)
+    #: per device: corrected float biases by node name (empirical bias correction), and its record
+    device_biases: dict = field(default_factory=dict)
+    device_recovery: dict = field(default_factory=dict)
+
+    def graph_for(self, device: str, fp32: set[str] | frozenset = frozenset()) -> Graph:
+        """The graph the ``device`` model is written from: the bias-corrected biases applied to the
+        layers that stay quantized (an fp32 layer keeps its float bias)."""
+        biases = {n: b for n, b in (self.device_biases.get(device) or {}).items() if n not in fp32}
+        if not biases:
+            return self.graph
+        from maceq.quant.bias_correction import with_biases
+
+        return with_biases(self.graph, biases)
+
+
+def _equalize(opt: Graph, config: QuantConfig, *, data: ImageFolder, in_name: str, progress: bool):
+    """Cross-layer equalization (+ high-bias absorption) of the optimised graph, in place, with the
+    per-channel pre-activation statistics of the calibration images (quant/passes/equalize.py)."""
+    from maceq.quant.passes.equalize import collect_channel_stats, equalize
+
+    stats = collect_channel_stats(opt, data.iter_batches(config.batch_size), input_name=in_name)
+    rep = equalize(opt, channel_stats=stats, absorb_bias=config.high_bias_absorption)
+    use_b = [r.grid_use_before for r in rep.layers]
+    use_a = [r.grid_use_after for r in rep.layers]
+    absorbed = sum(ln.absorbed_channels for ln in rep.links)
+    detail = (f"{len(rep.links)} layer pairs equalized in {rep.sweeps} sweeps; mean per-channel use of the "
+              f"per-tensor weight grid {100 * sum(use_b) / max(len(use_b), 1):.1f}% -> "
+              f"{100 * sum(use_a) / max(len(use_a), 1):.1f}%")
+    detail += (f"; high-bias absorption moved {absorbed} channel biases" if config.high_bias_absorption
+               else "; no high-bias absorption")
+    return opt, {"step": "cross-layer equalization", "detail": detail, "links": len(rep.links),
+                 "high_bias_absorption": bool(config.high_bias_absorption), "absorbed_channels": absorbed}
 
 
 def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, preprocess: Preprocess,
@@ -108,6 +144,10 @@ def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, pre
     if got is not None and len(want) == 4 and tuple(got) != tuple(want[1:]):
         raise MaceqError(f"preprocessing gives inputs of shape {tuple(got)}, model input '{in_name}' needs "
                          f"{tuple(want[1:])}: adjust --preset/--resize/--crop or --input-shape")
+    recovery: list = []
+    if config.cle:
+        opt, step = _equalize(opt, config, data=data, in_name=in_name, progress=progress)
+        recovery.append(step)
     names = tensors_to_calibrate(opt)
     stats = collect(opt.to_onnx(), names, data.iter_batches(config.batch_size), input_name=in_name,
                     total=len(data), progress=progress)
@@ -116,7 +156,31 @@ def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, pre
         method, pct = config.method_for(t)
         ranges[t] = compute_range(stats[t], method, percentile=pct)
     return Calibration(onnx_path, opt, in_shapes, shapes, ranges, len(data) - data.skipped, data.skipped,
-                       preprocess, config)
+                       preprocess, config, calib_dir=Path(calib_dir), recovery=recovery)
+
+
+def correct_bias(cal: Calibration, devices: tuple[str, ...], *, progress: bool = True,
+                 fp32_nodes: set[str] | frozenset = frozenset()) -> None:
+    """Empirical bias correction (quant/bias_correction.py) of ``cal`` for each device, in place:
+    fills ``cal.device_biases`` and ``cal.device_recovery``. Needs ``cal.calib_dir``."""
+    from maceq.quant.bias_correction import correct_biases
+    from maceq.runtime.profiles import Device
+
+    if cal.calib_dir is None:
+        raise MaceqError("bias correction needs the calibration images (Calibration.calib_dir)")
+    n = cal.config.bias_correction_images
+    for device in devices:
+        device = Device.parse(device).value
+        data = ImageFolder(cal.calib_dir, cal.preprocess, labels=None, limit=n)
+        bc = correct_biases(cal, device=device, data=data, fp32_nodes=frozenset(fp32_nodes),
+                            batch_size=cal.config.batch_size, progress=progress)
+        cal.device_biases[device] = bc.biases
+        d = bc.to_dict()
+        cal.device_recovery[device] = [{
+            "step": "bias correction",
+            "detail": f"{d['layers']} layers corrected on {d['images']} calibration images (mean |shift| "
+                      f"{d['mean_abs_shift']:.3g}, largest layer mean {d['max_layer_shift']:.3g})",
+            **d}]
 
 
 def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, output_dir: str | os.PathLike,
@@ -130,6 +194,8 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     """
     cal = calibrate(onnx_path, calib_dir, preprocess=preprocess, config=config, input_shape=input_shape,
                     progress=progress, strict=strict)
+    if config.bias_correction:
+        correct_bias(cal, devices, progress=progress)
     return write_quantized(cal, output_dir=output_dir, model_name=model_name, extra_meta=extra_meta, strict=strict,
                            devices=devices)
 
@@ -182,7 +248,8 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
     }
     per_device = {}
     for device in devices:
-        built = build_mace_model(opt, ranges, shapes, model_name=name, strict=strict, fp32=fp32, device=device)
+        g_dev = cal.graph_for(device, fp32)
+        built = build_mace_model(g_dev, ranges, shapes, model_name=name, strict=strict, fp32=fp32, device=device)
         out_dir = Path(output_dir) if len(devices) == 1 else Path(output_dir) / device
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -191,9 +258,11 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
         per_device[device] = write_model(
             out_dir, name, built.multi_net_def, built.arrays,
             deployment={"platform": "onnx", "runtime": MACE_RUNTIME[device], "subgraphs": [subgraph]},
-            ranges=built.ranges, maceq={**meta, "device": device, "tensor_map": built.tensor_map})
+            ranges=built.ranges, maceq={**meta, "device": device, "tensor_map": built.tensor_map,
+                                        "recovery": list(cal.recovery) + list(cal.device_recovery.get(device, []))})
     result = QuantizeResult(per_device[devices[0]], opt, placement, n_images, cal.n_skipped, name, frozenset(fp32))
     result.per_device = per_device
+    result.recovery = {d: list(cal.recovery) + list(cal.device_recovery.get(d, [])) for d in devices}
     return result
 
 

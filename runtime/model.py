@@ -152,11 +152,14 @@ class Model:
                    if i in where_made and where_made[i] != placement[op.name][0])
 
     def run(self, inputs: dict[str, np.ndarray], *, device: str = "cpu", intermediates: bool = False,
-            backend: str = "numpy"):
+            backend: str = "numpy", before_op=None):
         """Run the model on float inputs; returns {output: float32 array}, or a RunResult with intermediates.
 
         ``backend``: "numpy" (the bit-exact simulation, default) or "opencl" (the gpu device's real
         OpenCL kernels through pyopencl; ops without an OpenCL kernel still use the simulation).
+        ``before_op(index, op, inputs)``: called with each op's input QTensors before the op runs; it
+        may replace the op's constants in ``self.consts``/``self.const_qinfo`` and then returns True,
+        so that the op is prepared again (the sequential bias correction uses this).
         """
         profile = get_profile(device)
         if backend not in ("numpy", "opencl"):
@@ -192,6 +195,10 @@ class Model:
                     ins.append(QTensor(self.consts[i], self.const_qinfo.get(i)))
                 else:
                     raise MaceqError(f"op '{op.name}': input '{i}' is not available")
+            if before_op is not None and before_op(idx, op, ins):
+                ins = [QTensor(self.consts[i], self.const_qinfo.get(i)) if i in self.consts and i not in values
+                       else t for i, t in zip(op.inputs, ins)]
+                self._prepared = {k: v for k, v in self._prepared.items() if k[1] != idx}
             in_q = tuple(t.qinfo for t in ins)
             params = self._prepare(idx, op, kernel, in_q, profile)
             half = profile.float_storage == "float16" and kernel.dtype is DType.FLOAT
