@@ -44,6 +44,8 @@ def available() -> bool:
 
 
 if njit is not None:
+    # Single-threaded on purpose: numba's thread pool next to OpenBLAS's threads oversubscribes
+    # the cores, and on a busy machine that was measured 20x slower (bench/speed.py).
     _jit = njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
     @_jit
@@ -73,28 +75,27 @@ if njit is not None:
         """xc: centered input [N, H, W, C]; w: offset filter [KH, KW, C] in xc's dtype; out [N, OH, OW, C]."""
         n_img, h, wd, c = xc.shape
         kh, kw = w.shape[0], w.shape[1]
-        acc = np.empty((ow, c), xc.dtype)
-        for n in range(n_img):
-            for oy in range(oh):
-                acc[:, :] = 0
-                for ky in range(kh):
-                    iy = oy * sh - top + ky * dh
-                    if iy < 0 or iy >= h:
-                        continue  # a padding row: adds 0
-                    row = xc[n, iy]
-                    for kx in range(kw):
-                        d = left - kx * dw  # ix = ox*sw - d
-                        ox0 = max(0, -((-d) // sw))  # first ox with ix >= 0
-                        ox1 = min(ow, (wd - 1 + d) // sw + 1)  # one past the last ox with ix < W
-                        wk = w[ky, kx]
-                        for ox in range(ox0, ox1):
-                            a = acc[ox]
-                            xr = row[ox * sw - d]
-                            for ch in range(c):
-                                a[ch] += xr[ch] * wk[ch]
-                orow = out[n, oy]
-                for ox in range(ow):
-                    _requant_row(acc[ox], scale, offset, y_theta, step, lo, hi, mode, orow[ox])
+        for r in range(n_img * oh):
+            n, oy = r // oh, r % oh
+            acc = np.zeros((ow, c), xc.dtype)
+            for ky in range(kh):
+                iy = oy * sh - top + ky * dh
+                if iy < 0 or iy >= h:
+                    continue  # a padding row: adds 0
+                xrow = xc[n, iy]
+                for kx in range(kw):
+                    d = left - kx * dw  # ix = ox*sw - d
+                    ox0 = max(0, -((-d) // sw))  # first ox with ix >= 0
+                    ox1 = min(ow, (wd - 1 + d) // sw + 1)  # one past the last ox with ix < W
+                    wk = w[ky, kx]
+                    for ox in range(ox0, ox1):
+                        a = acc[ox]
+                        xr = xrow[ox * sw - d]
+                        for ch in range(c):
+                            a[ch] += xr[ch] * wk[ch]
+            orow = out[n, oy]
+            for ox in range(ow):
+                _requant_row(acc[ox], scale, offset, y_theta, step, lo, hi, mode, orow[ox])
 
 
 def _mode(*, affine: bool, correct: bool, lo: int) -> int:
