@@ -17,9 +17,17 @@ tools/python/convert.py ``convert`` and tools/python/utils/convert_util.py
   ``.data``, and our own metadata under a top-level ``maceq:`` key.
 * ``<name>_ranges.txt``: MACE's range file, one ``tensor@@min,max`` per line.
 
-Every file is written to a temporary file in the target folder and moved into
-place with ``os.replace``; the ``.yml`` is removed first and written last, so a
-present ``.yml`` means the model next to it is complete.
+Writing a model (:func:`write_model`) is atomic as a set: all files are first
+written and fsynced in a staging folder beside the target (``.<name>.staging-<pid>-*``,
+hidden), then moved into place with ``os.replace`` in this order: the old ``.yml`` is
+removed, the old ``.pb`` is removed, then ``.data``, ``.pb``, the range file and last
+the ``.yml`` are renamed in. The ``.yml`` holds the sha256 of both ``.pb`` and
+``.data``, so it is the commit record: a present ``.yml`` means the files next to it
+are the complete set it names, and a process killed at any moment leaves either the
+previous complete set, or no ``.yml`` (no model); a ``.pb`` never sits next to a
+``.data`` of another write. The next write removes the staging folders of dead
+processes. A model name is a plain file stem (:func:`check_model_name`), so nothing
+is written outside the output folder.
 
 Bad input raises :class:`maceq.errors.MaceqError` with a one-line message naming
 the file (or tensor) at fault.
@@ -598,8 +606,7 @@ def write_model(out_dir, name: str, model, arrays: Mapping[str, np.ndarray], *,
     Deterministic: the same arguments give the same bytes.
     """
     out_dir = Path(out_dir)
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        raise MaceqError(f"model name {name!r}: must be a plain file stem")
+    check_model_name(name)
     if not out_dir.is_dir():
         raise MaceqError(f"{out_dir}: no such folder")
     deployment = dict(deployment or {})
@@ -658,19 +665,142 @@ def write_model(out_dir, name: str, model, arrays: Mapping[str, np.ndarray], *,
     yml_text = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False,
                               allow_unicode=True, width=1000)
 
-    # A present .yml means a complete model: drop the old one first, write it last.
-    try:
-        files.yml.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise MaceqError(f"{files.yml}: cannot remove the old file: {e.strerror or e}") from None
-    _atomic_write(files.data, data)
-    _atomic_write(files.pb, pb)
+    for p in (files.pb, files.data, files.yml, files.ranges):
+        if p is not None and p.parent.resolve() != out_dir.resolve():  # defence in depth; the name is checked
+            raise MaceqError(f"model name {name!r}: {p.name} would be written outside {out_dir}")
+    payloads = [(files.data, data), (files.pb, pb)]
     if files.ranges is not None:
-        _atomic_write(files.ranges, ranges_text.encode("utf-8"))
-    _atomic_write(files.yml, yml_text.encode("utf-8"))
+        payloads.append((files.ranges, ranges_text.encode("utf-8")))
+    payloads.append((files.yml, yml_text.encode("utf-8")))
+    _commit_set(out_dir, name, payloads)
     return files
+
+
+#: The most bytes (UTF-8) of a model name: the longest file made from it, the staging folder
+#: ``.<name>.staging-<pid>-<random>``, stays within the usual NAME_MAX of 255.
+MAX_NAME_BYTES = 200
+
+
+def check_model_name(name) -> str:
+    """``name`` if it is usable as the stem of the model's files, else MaceqError.
+
+    A plain file stem: a non-empty str of at most :data:`MAX_NAME_BYTES` UTF-8 bytes, with no
+    path separator (``/``, ``\\``, ``os.sep``, ``os.altsep``), no NUL or other control character
+    (line breaks included), not ``.`` or ``..`` and not starting with ``.`` (hidden files, and
+    the writer's own staging folders, start with one). So ``<out_dir>/<name>.pb`` is always a file
+    directly inside ``out_dir``.
+    """
+    ok = isinstance(name, str) and bool(name) and not name.startswith(".")
+    if ok:
+        seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+        ok = (not any(c in seps for c in name)
+              and not any(ord(c) < 32 or ord(c) == 127 or c in "\x85\u2028\u2029" for c in name))
+    if ok:
+        try:
+            ok = len(name.encode("utf-8")) <= MAX_NAME_BYTES
+        except UnicodeEncodeError:  # a lone surrogate
+            ok = False
+    if not ok:
+        raise MaceqError(f"model name {_one_line(repr(name))}: must be a plain file stem (no path separator, "
+                         f"control character or leading '.', at most {MAX_NAME_BYTES} bytes)")
+    return name
+
+
+_STAGING = ".staging-"
+
+
+def _remove_dead_staging(out_dir: Path, name: str) -> None:
+    """Remove the staging folders of ``name`` left by writers that no longer run (killed ones)."""
+    prefix = f".{name}{_STAGING}"
+    try:
+        entries = list(os.scandir(out_dir))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid_text = entry.name[len(prefix):].split("-", 1)[0]
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and _pid_alive(int(pid_text)):
+            continue  # another live writer's
+        _rmtree_quiet(Path(entry.path))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # exists (another user's), or cannot tell: keep its folder
+    return True
+
+
+def _rmtree_quiet(folder: Path) -> None:
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # e.g. a platform that cannot open folders
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _commit_set(out_dir: Path, name: str, payloads: list[tuple[Path, bytes]]) -> None:
+    """Write ``payloads`` (final path, bytes) as one set; the last one is the commit record (.yml).
+
+    1. every file is written and fsynced in a fresh staging folder inside ``out_dir``;
+    2. the old commit record is removed, then the old ``.pb`` (so that a new ``.data`` never
+       sits next to an old ``.pb``; payloads[1] is the .pb, payloads[0] the .data);
+    3. the staged files are renamed into place in ``payloads`` order, the record last;
+    4. the folder is fsynced and the staging folder removed.
+    A kill during 1 leaves the previous set untouched; during 2-3, no record (no model) and
+    never a mismatched .pb/.data pair. OSError becomes MaceqError naming the file.
+    """
+    _remove_dead_staging(out_dir, name)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}{_STAGING}{os.getpid()}-", dir=out_dir))
+    except OSError as e:
+        raise MaceqError(f"{out_dir}: cannot write: {e.strerror or e}") from None
+    try:
+        mode = 0o666 & ~_umask()
+        staged = []
+        for final, payload in payloads:
+            tmp = staging / final.name
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(payload)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.chmod(tmp, mode)
+            except OSError as e:
+                raise MaceqError(f"{final}: cannot write: {e.strerror or e}") from None
+            staged.append((tmp, final))
+        _fsync_dir(staging)
+        record, pb = payloads[-1][0], payloads[1][0]
+        for old in (record, pb):
+            try:
+                old.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise MaceqError(f"{old}: cannot remove the old file: {e.strerror or e}") from None
+        for tmp, final in staged:
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                raise MaceqError(f"{final}: cannot write: {e.strerror or e}") from None
+        _fsync_dir(out_dir)
+    finally:
+        _rmtree_quiet(staging)
 
 
 # ---------------------------------------------------------------------------
@@ -805,4 +935,5 @@ __all__ = [
     "ModelFiles", "LoadedModel", "DATA_FORMAT_NAMES", "numpy_dtype", "add_arg", "get_arg",
     "pack_tensors", "unpack_tensors", "format_ranges", "parse_ranges", "read_ranges",
     "write_ranges", "parse_model_proto", "dump_text", "write_model", "read_model", "sha256_hex",
+    "check_model_name", "MAX_NAME_BYTES",
 ]
