@@ -142,12 +142,15 @@ def mace_output_multiplier(s_in, s_w, s_out) -> tuple[int, int]:
     the float32 value widened to double. MACE returns ``right_shift = -exponent``;
     here ``shift = exponent`` (<= 0) so it plugs into
     :func:`multiply_by_quantized_multiplier` like TFLite's.
-    Raises MaceqError when the float32 multiplier is not in (0, 1).
+    Raises MaceqError when the float32 multiplier is not in (0, 1): MACE's runtime aborts there
+    (``MACE_CHECK(real_multiplier > 0.f && real_multiplier < 1.f)``; docs/edge-cases.md). A zero
+    input scale (constant-zero input, find_range_every_time) gives 0; an output range much narrower
+    than the input range times the weight range gives a multiplier >= 1.
     """
     real = mace_float_multiplier(s_in, s_w, s_out)
     if not (real > 0 and real < 1):
         raise MaceqError(
-            f"MACE requires 0 < s_in*s_w/s_out < 1 (mace/core/quantize.h), got {float(real)!r} "
+            f"MACE requires 0 < s_in*s_w/s_out < 1 (mace/core/quantize.h; the device aborts), got {float(real)!r} "
             f"from s_in={float(np.float32(s_in))!r}, s_w={float(np.float32(s_w))!r}, "
             f"s_out={float(np.float32(s_out))!r}")
     q, shift = quantize_multiplier(float(real))
@@ -188,6 +191,16 @@ def mace_rescale_bias(bias, s_in, s_w, s_bias) -> np.ndarray:
     if not mace_bias_needs_rescale(s_in, s_w, s_bias):
         return b.astype(np.int32)
     prod = np.float32(np.float32(s_in) * np.float32(s_w))
+    if prod == 0:
+        # MACE computes adjust = s_bias / 0 = inf and casts roundf(bias * inf) to int32 (undefined
+        # behaviour), then aborts in GetOutputMultiplierAndShift (real_multiplier = 0): no defined
+        # result to model. The usual cause: an input Quantize op with find_range_every_time saw a
+        # constant-zero input, so its scale is 0 (runtime/kernels/quantize.py, docs/edge-cases.md).
+        raise MaceqError(
+            f"MACE cannot run this uint8 op: input scale x weight scale is 0 (s_in={float(np.float32(s_in))!r}, "
+            f"s_w={float(np.float32(s_w))!r}; a constant-zero input gives the input Quantize op scale 0): "
+            f"GetBiasData divides by it and GetOutputMultiplierAndShift aborts on MACE_CHECK(0 < multiplier < 1) "
+            f"(mace/ops/arm/q8/quantization_util.cc, mace/core/quantize.h)")
     adjust = np.float32(np.float32(s_bias) / prod)
     v = b.astype(np.float32) * adjust  # float32 * float32 -> float32
     r = round_half_away(v)

@@ -14,6 +14,20 @@ multiply followed by a separately rounded add (not a fused multiply-add), ``vzer
 out-of-range values saturate). The last ``size % 16`` elements take the scalar path
 ``Saturate<uint8_t>(roundf(zero_point + recip_scale * x))`` instead, with ``roundf`` rounding
 half away from zero.
+
+A constant-zero input (edge case, docs/edge-cases.md): with ``find_range_every_time`` the op
+recomputes the range from the input; ``FindMinMax`` gives [0, 0] (also for an all-NaN input: the
+loop leaves (FLT_MAX, -FLT_MAX) and AdjustRange clamps both to 0), ``AdjustRange<uint8_t>`` gives
+``scale = 0 / 255 = 0`` and ``zero_point = 0``, and MACE goes on: ``recip_scale = 1 / 0 = +inf``,
+``0 * inf = NaN``, which both paths turn into code 0 (FCVTZS), and the op stores scale 0 in the
+output tensor (quantize.cc ``output->SetScale(scale)``). These functions do exactly that, with no
+floating-point warning. The failure comes one op later: every uint8 consumer that requantizes
+(Conv2D, DepthwiseConv2d, FullyConnected/Gemv) calls ``GetOutputMultiplierAndShift`` with
+``lhs_scale = 0``, whose ``MACE_CHECK(real_multiplier > 0.f && real_multiplier < 1.f)`` aborts
+the process (a Conv2D with a bias first divides by ``input_scale * filter_scale = 0`` in
+``GetBiasData``, mace/ops/arm/q8/quantization_util.cc). maceq raises a MaceqError there
+(:func:`maceq.runtime.fixedpoint.mace_rescale_bias` / ``mace_output_multiplier``). A consumer
+that only moves codes (Dequantize, pooling, reshape) works, as on the device.
 """
 from __future__ import annotations
 
@@ -102,6 +116,12 @@ def _roundf(v: np.float32) -> float:
 # Quantize (NEON body + scalar tail)
 # ----------------------------------------------------------------------------------------------
 
+def _recip(scale: float) -> np.float32:
+    """``float recip_scale = 1 / scale`` in float32; scale 0 gives +inf, as in C (IEEE division)."""
+    with np.errstate(divide="ignore", over="ignore"):
+        return _F32(_F32(1.0) / _F32(scale))
+
+
 def _saturate_u8_from_int_like(v: float) -> int:
     """``Saturate<uint8_t>(float)`` after rounding, with ARM's float->int conversion.
 
@@ -128,7 +148,7 @@ def quantize_neon_ref(x, *, scale: float, zero_point: int) -> np.ndarray:
     """
     v = _as_f32(x)
     flat = v.ravel()
-    recip = _F32(_F32(1.0) / _F32(scale))
+    recip = _recip(scale)
     vzero = _F32(_F32(0.5) + _F32(zero_point))
     zp_f = _F32(zero_point)
     body_end = (flat.size // NEON_QUANT_BLOCK) * NEON_QUANT_BLOCK
@@ -154,7 +174,7 @@ def quantize_neon(x, *, scale: float, zero_point: int) -> np.ndarray:
     """
     v = _as_f32(x)
     flat = v.ravel()
-    recip = _F32(_F32(1.0) / _F32(scale))
+    recip = _recip(scale)
     vzero = _F32(_F32(0.5) + _F32(zero_point))
     body_end = (flat.size // NEON_QUANT_BLOCK) * NEON_QUANT_BLOCK
     out = np.empty(flat.size, dtype=np.uint8)
@@ -182,7 +202,8 @@ def quantize(x, *, non_zero: bool = False) -> tuple[np.ndarray, float, int]:
 
     The range is recomputed from this input with :func:`find_range` and :func:`adjust_range`,
     then the input is quantized with :func:`quantize_neon`. Returns (codes, scale, zero_point);
-    the scale and zero point become the output tensor's quantize info.
+    the scale and zero point become the output tensor's quantize info. A constant-zero input gives
+    codes 0 with scale 0.0 and zero point 0, as MACE's op does (see the module docstring).
     """
     lo, hi = find_range(x)
     scale, zp = adjust_range(lo, hi, non_zero=non_zero)
