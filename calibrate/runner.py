@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
 from maceq.errors import MaceqError
+from maceq.yamlio import one_line
 
 __all__ = ["collect", "expose_outputs", "make_session"]
 
@@ -88,6 +89,37 @@ def _batch_len(feed: Mapping[str, np.ndarray]) -> int:
     return 0
 
 
+def _update(stats: StatsCollector, name: str, arr: np.ndarray, item: Any, batch: int, first: int) -> None:
+    """Fold one batch of tensor ``name`` into ``stats``; NaN or Inf raises MaceqError naming the
+    tensor and the first image (or sample) that holds one."""
+    a = np.asarray(arr)
+    try:
+        stats.stats[name].update(a)  # checks min and max: one pass when all is finite
+    except MaceqError:
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise MaceqError(_nonfinite_message(name, a, item, batch, first)) from None
+        raise
+
+
+def _nonfinite_message(name: str, a: np.ndarray, item: Any, batch: int, first: int) -> str:
+    n_nan, n_inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+    what = f"{n_nan} NaN and {n_inf} Inf value(s)"
+    paths = getattr(item, "paths", None)
+    if a.ndim >= 1 and paths is not None and a.shape[0] == len(paths):
+        bad = ~np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1)
+        k = int(np.argmax(bad))
+        where = f"image {one_line(str(paths[k]))}"
+        if int(bad.sum()) > 1:
+            where += f" (and {int(bad.sum()) - 1} more in calibration batch {batch})"
+    elif a.ndim >= 1 and a.shape[0] > 1:
+        bad = ~np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1)
+        where = f"sample {first + int(np.argmax(bad))} (calibration batch {batch})"
+    else:
+        where = f"calibration batch {batch} (sample {first})"
+    return (f"tensor '{one_line(name)}': {what} in the float model's activations on {where}; "
+            f"ranges need finite activations: check the model and the preprocessing for this input")
+
+
 def collect(
     model: onnx.ModelProto,
     tensor_names: Sequence[str],
@@ -125,6 +157,7 @@ def collect(
     stats = StatsCollector(names, num_bins=num_bins)
     show = bool(progress) and sys.stderr.isatty()
     seen = 0
+    first = 0  # index of the batch's first sample in the whole calibration set
     with tqdm(total=total, disable=not show, unit="img", desc="calibrate", leave=False) as bar:
         for item in batches:
             feed = _feed(item, input_name)
@@ -136,11 +169,12 @@ def collect(
             for name in from_feed:
                 if name not in feed:
                     raise MaceqError(f"calibration batch {seen} does not feed input '{name}'")
-                stats.stats[name].update(feed[name])
+                _update(stats, name, feed[name], item, seen, first)
             for name, arr in zip(fetch, outs):
-                stats.stats[name].update(arr)
+                _update(stats, name, arr, item, seen, first)
             del outs, feed
             seen += 1
+            first += n_samples
             bar.update(n_samples)
     if seen == 0:
         raise MaceqError("no calibration batches")

@@ -14,7 +14,13 @@ Huge JPEGs: a JPEG of more than :data:`DRAFT_MIN_PIXELS` pixels is decoded
 with PIL's ``draft`` (libjpeg DCT scaling by 1/2, 1/4 or 1/8) to no less than
 4x the size the resize step asks for, which bounds memory. Smaller images, all
 of ../shared/data among them, are decoded in full, so their values are exactly
-those of a full decode followed by the :class:`Preprocess` steps.
+those of a full decode followed by the :class:`Preprocess` steps. Other formats
+(PNG, ...) are always decoded in full, one image at a time.
+
+Decompression bombs: an image whose header declares more than
+:data:`MAX_IMAGE_PIXELS` pixels is refused before it is decoded, with a
+MaceqError naming the file (also in :meth:`ImageFolder.iter_batches`, where it
+stops the pass instead of being skipped like an unreadable file).
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from maceq.errors import MaceqError
 __all__ = [
     "IMAGE_EXTS",
     "DRAFT_MIN_PIXELS",
+    "MAX_IMAGE_PIXELS",
     "Batch",
     "ImageFolder",
     "UnreadableImageWarning",
@@ -44,6 +51,10 @@ __all__ = [
 
 IMAGE_EXTS: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp"})
 DRAFT_MIN_PIXELS = 4096 * 4096
+#: The most pixels (width x height) an image may declare: PIL's own decompression-bomb warning
+#: threshold (``PIL.Image.MAX_IMAGE_PIXELS`` by default, about 9459 x 9459; a full RGB decode of
+#: that is 256 MiB). Larger images raise MaceqError. Set it (module attribute) to allow more.
+MAX_IMAGE_PIXELS = 89_478_485
 
 
 class UnreadableImageWarning(UserWarning):
@@ -95,9 +106,28 @@ def _draft_size(img: Image.Image, pre: Preprocess) -> tuple[int, int] | None:
     return (math.ceil(w * k), math.ceil(h * k))
 
 
+def _open(path: Path) -> Image.Image:
+    """``Image.open`` (header only) with the decompression-bomb guard of :data:`MAX_IMAGE_PIXELS`."""
+    limit = MAX_IMAGE_PIXELS
+    with warnings.catch_warnings():
+        # PIL warns above its own limit and raises above twice it; maceq's limit decides instead.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            img = Image.open(path)
+        except Image.DecompressionBombError as e:
+            raise MaceqError(f"{path}: refused, more pixels than the limit of {limit:,} "
+                             f"(decompression-bomb guard; PIL: {str(e).splitlines()[0]})") from None
+    w, h = img.size
+    if w * h > limit:
+        img.close()
+        raise MaceqError(f"{path}: refused, {w}x{h} = {w * h:,} pixels is over the limit of {limit:,} "
+                         "(decompression-bomb guard: maceq.datasets.images.MAX_IMAGE_PIXELS)")
+    return img
+
+
 def _decode(path: Path, pre: Preprocess) -> np.ndarray:
-    """Decode and preprocess one file; PIL/OS errors propagate."""
-    with Image.open(path) as img:
+    """Decode and preprocess one file; PIL/OS errors propagate (MaceqError for a decompression bomb)."""
+    with _open(path) as img:
         size = _draft_size(img, pre)
         if size is not None:
             # mode None: keep the JPEG's colour space, PIL converts it later
