@@ -108,6 +108,7 @@ def _quantize(argv) -> int:
     from maceq.calibrate.methods import RangeMethod
     from maceq.datasets.images import ImageFolder
     from maceq.quant.config import QuantConfig, load_config
+    from maceq.quant.mace.format import check_model_name
     from maceq.quant.pipeline import quantize
     from maceq.reports.evaluate import evaluate
     from maceq.runtime.model import load
@@ -183,6 +184,7 @@ def _quantize(argv) -> int:
     pre = _preprocess_from(args, config.preprocess)
     input_shape = _csv_numbers(args.input_shape, int, what="--input-shape") if args.input_shape else None
     name = args.name or Path(args.model).stem
+    check_model_name(name)
     out = Path(args.output) if args.output else default_output_root() / name
     devices = tuple(d.strip() for d in args.device.split(",") if d.strip())
     if args.accuracy_budget is None:

@@ -200,6 +200,30 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
                            devices=devices)
 
 
+def check_degenerate(graph: Graph, ranges: dict, placement: dict) -> None:
+    """Refuse, naming the tensor or layer, what MACE's uint8 kernels cannot run (docs/edge-cases.md):
+    all-zero constant weights of a uint8 Conv/ConvTranspose/Gemm/MatMul, and a tensor of a uint8 node
+    that is 0 on every calibration image. MACE's converter gives both scale 0 and its runtime aborts in
+    GetOutputMultiplierAndShift (mace/core/quantize.h)."""
+    import numpy as np
+
+    for n in graph.nodes:
+        if placement.get(n.name) != "uint8":
+            continue
+        origin = (n.attrs.get("maceq_names") or [n.name])[0]
+        where = f"node '{origin}' ({n.op_type}" + (f", fused as '{n.name}')" if origin != n.name else ")")
+        if (n.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and len(n.inputs) > 1
+                and graph.is_const(n.inputs[1]) and not np.any(graph.const(n.inputs[1]))):
+            raise MaceqError(f"{where}: all weights are 0; MACE's uint8 kernels cannot use the weight scale 0 "
+                             f"this gives (the device aborts): keep it in float32 (--fp32 {origin}) or remove it")
+        for t in [i for i in n.inputs if i and not graph.is_const(i)] + list(n.outputs):
+            if t in ranges and max(float(ranges[t][1]), 0.0) == min(float(ranges[t][0]), 0.0):
+                raise MaceqError(f"tensor '{t}' (at {where}) is 0 on every calibration image: the range [0, 0] "
+                                 f"gives scale 0, which MACE's uint8 kernels cannot use (the device aborts): "
+                                 f"calibrate on images where it varies, or keep the layers around it in "
+                                 f"float32 (--fp32)")
+
+
 def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_name: str | None = None,
                     extra_meta: dict | None = None, strict: bool = False, devices: tuple[str, ...] = ("cpu",),
                     fp32_nodes: set[str] | None = None) -> QuantizeResult:
@@ -216,6 +240,7 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
     name = model_name or onnx_path.stem
     fp32 = select_nodes(opt, config.fp32_layers) | set(fp32_nodes or ())
     placement = check_supported(opt, strict=strict, shapes=shapes, fp32=fp32)
+    check_degenerate(opt, ranges, placement)
     in_name = opt.inputs[0].name
     want = cal.in_shapes[in_name]
     n_images = cal.n_images

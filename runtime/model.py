@@ -106,7 +106,11 @@ class Model:
         params = self._prepared.get(key)
         if params is None:
             ctx = PrepareContext(profile, self.consts, self.const_qinfo)
-            params = kernel.prepare(op, in_q, ctx)
+            try:
+                params = kernel.prepare(op, in_q, ctx)
+            except MaceqError as e:
+                msg = str(e)
+                raise MaceqError(msg if msg.startswith(f"op '{op.name}'") else f"op '{op.name}' ({op.type}): {msg}") from None
             if len(self._prepared) > 4096:
                 self._prepared.clear()
             self._prepared[key] = params

@@ -457,12 +457,6 @@ def test_multiplier_outside_0_1_is_written_then_refused_as_mace_aborts(tmp_path)
         m.run({"x": load_image(tmp_path / "calib" / "00.png", GRAY)})
 
 
-PENDING_PIPELINE = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="needs the quant/pipeline.py check_degenerate change of the hardening report (docs/edge-cases.md)")
-
-
-@PENDING_PIPELINE
 def test_tensor_that_is_zero_on_every_calibration_image_is_refused_by_name(tmp_path):
     """A ReLU that never fires on the calibration set (bias -1000): its output's range is [0, 0],
     for which MACE's adjust_range gives scale 0 (its runtime then aborts). quantize refuses with a
@@ -477,7 +471,6 @@ def test_tensor_that_is_zero_on_every_calibration_image_is_refused_by_name(tmp_p
     assert re.search(r"tensor 'x'.* 0 on every calibration image", str(info.value)), str(info.value)
 
 
-@PENDING_PIPELINE
 def test_all_zero_weights_are_refused_by_layer_name(tmp_path):
     """conv2's weights are all 0 (bias non-zero): MACE's converter gives them scale 0 and its runtime
     aborts; quantize refuses with a MaceqError naming the layer."""
@@ -750,8 +743,6 @@ def test_cli_name_with_a_path_is_refused_inside_the_output_folder(tmp_path):
     assert not (tmp_path / "escaped.pb").exists() and not (tmp_path / "escaped.yml").exists()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="needs the quant/cli.py --name check of the hardening report")
 def test_cli_name_is_checked_before_any_folder_is_made(tmp_path):
     """Without -o the output folder is $MACEQ_HOME/<name>: `--name ../escaped` must fail before
     making $MACEQ_HOME/../escaped (and before the calibration)."""
