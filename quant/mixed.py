@@ -21,6 +21,17 @@ with labels, the accuracy drop ``100 * (float_acc - int8_acc)`` points; without,
 disagreement ``100 * (1 - agreement)`` points (agreement with float is 100% at best). The
 budget holds when ``drop <= budget_points``.
 
+Parallel candidate evaluations (``executor="ray"``, or ``"local"`` with ``workers > 1``): the
+model measured after ``k`` exemptions keeps exactly the first ``k`` ranked candidates in float32,
+so every model the search may need is known once the ranking is. The search therefore measures
+them speculatively in waves of ``workers`` (``k+1 .. k+workers``, up to the cap) as Ray tasks or
+local processes (:class:`maceq.calibrate.parallel.TaskPool`), then walks the results with the
+same stopping rule as the sequential search; results past the stop are discarded (at most
+``workers - 1`` wasted evaluations). Each task writes its model into a temporary folder of its
+own, loads it and evaluates it exactly as step 3 does, so the trail, the chosen layers and the
+written model equal the sequential search's (tests/test_parallel.py). The baseline and the
+isolated analysis run in this process, once.
+
 Every step is recorded (:class:`Step`): the layer exempted, its sensitivity, the metric, and
 the bytes of the written ``.data`` file, so the trade-off (metric vs fp32 layers vs size) can go
 into report.json.
@@ -171,17 +182,48 @@ def _measure(cal, fp32: list[str], *, out_dir: Path, device: str, data: ImageFol
     return res, model, metric, value, ref, os.path.getsize(res.files.data)
 
 
+@dataclass(frozen=True)
+class _EvalJob:
+    """What each parallel candidate evaluation needs, shipped once per worker."""
+
+    cal: object
+    data: ImageFolder
+    device: str
+    batch_size: int
+    model_name: str | None
+    extra_meta: dict | None
+
+
+def _measure_task(job: _EvalJob, fp32: tuple[str, ...], report=None) -> tuple:
+    """:func:`_measure` in a worker process or Ray task, in a temporary folder of its own:
+    ``(sorted fp32 nodes, metric, value, float value, .data bytes)``."""
+    tmp = Path(tempfile.mkdtemp(prefix="maceq-search-"))
+    try:
+        res, _, metric, value, ref, nbytes = _measure(
+            job.cal, list(fp32), out_dir=tmp, device=job.device, data=job.data, batch_size=job.batch_size,
+            model_name=job.model_name, extra_meta=job.extra_meta)
+        return tuple(sorted(res.fp32)), metric, value, ref, nbytes
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def auto_mixed_precision(cal, *, output_dir: str | os.PathLike, eval_data: ImageFolder, budget_points: float,
                          min_sqnr: float | None = None, max_fp32_layers: int | None = None, device: str = "cpu",
                          model_name: str | None = None, extra_meta: dict | None = None, batch_size: int = 8,
-                         progress: bool = True) -> MixedResult:
+                         progress: bool = True, executor: str = "local", workers: int = 1,
+                         ray_address: str | None = None) -> MixedResult:
     """Greedy search for the fp32 layers that bring ``device``'s int8 model within ``budget_points``.
 
     ``cal``: a :class:`maceq.quant.pipeline.Calibration`. ``eval_data``: the images the metric
     and the sensitivities are measured on (an eval folder, or :func:`holdout_split` of the
     calibration folder). The final model is written to ``output_dir``; the intermediate models
     of the search go to a scratch folder inside it, removed at the end. See the module docstring.
+
+    ``executor`` ("local" | "ray"), ``workers``, ``ray_address``: where the candidate models are
+    measured; "local" with ``workers == 1`` (the default) measures them one after another in this
+    process, anything else in parallel waves (module docstring), with identical results.
     """
+    from maceq.calibrate.parallel import Executor, check_workers
     from maceq.reports.analysis import analyze_layers
     from maceq.runtime.profiles import Device
 
@@ -194,6 +236,9 @@ def auto_mixed_precision(cal, *, output_dir: str | os.PathLike, eval_data: Image
         raise MaceqError(f"--max-fp32-layers must be an int >= 0, got {max_fp32_layers!r}")
     if min_sqnr is not None and not math.isfinite(float(min_sqnr)):
         raise MaceqError(f"--min-sqnr must be a number of dB, got {min_sqnr!r}")
+    executor = Executor.parse(executor)
+    workers = check_workers(workers)
+    parallel = executor is Executor.RAY or workers > 1
     out = Path(output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -201,15 +246,25 @@ def auto_mixed_precision(cal, *, output_dir: str | os.PathLike, eval_data: Image
         raise MaceqError(f"{out}: cannot create the output folder ({e.strerror})") from None
     scratch = Path(tempfile.mkdtemp(prefix=".maceq-search-", dir=out))
     try:
-        return _search(cal, out=out, scratch=scratch, data=eval_data, budget=budget, min_sqnr=min_sqnr,
-                       cap=max_fp32_layers, device=device, model_name=model_name, extra_meta=extra_meta,
-                       batch_size=batch_size, progress=progress, analyze=analyze_layers)
+        pool = None
+        if parallel:
+            from maceq.calibrate.parallel import TaskPool
+
+            pool = TaskPool(_EvalJob(cal, eval_data, device, batch_size, model_name, extra_meta),
+                            executor=executor, workers=workers, ray_address=ray_address)
+        try:
+            return _search(cal, out=out, scratch=scratch, data=eval_data, budget=budget, min_sqnr=min_sqnr,
+                           cap=max_fp32_layers, device=device, model_name=model_name, extra_meta=extra_meta,
+                           batch_size=batch_size, progress=progress, analyze=analyze_layers, pool=pool)
+        finally:
+            if pool is not None:
+                pool.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _search(cal, *, out, scratch, data, budget, min_sqnr, cap, device, model_name, extra_meta, batch_size,
-            progress, analyze) -> MixedResult:
+            progress, analyze, pool=None) -> MixedResult:
     def say(line: str) -> None:
         if progress:
             print(line, file=sys.stderr)
@@ -217,22 +272,39 @@ def _search(cal, *, out, scratch, data, budget, min_sqnr, cap, device, model_nam
     chosen: list[str] = []
     trail: list[Step] = []
 
-    def measure(step, exempted, sens, reason):
+    def record(step, exempted, sens, reason, measured):
+        fp32_sorted, metric, value, ref, nbytes = measured
+        drop = ref - value
+        s = Step(step, exempted, sens, reason, fp32_sorted, len(fp32_sorted), metric, value, ref, drop,
+                 nbytes, drop <= budget + BUDGET_EPS)
+        trail.append(s)
+        say(f"mixed precision [{device}] step {step}: {len(fp32_sorted)} fp32 layer(s)"
+            + (f", +{exempted} ({sens:.2f} dB)" if exempted else "")
+            + f": {metric} {value:.2f}% (drop {drop:.2f} points, budget {budget:g})")
+
+    def measure_here(step):
         res, model, metric, value, ref, nbytes = _measure(
             cal, chosen, out_dir=scratch / f"step{step}", device=device, data=data, batch_size=batch_size,
             model_name=model_name, extra_meta=extra_meta)
-        drop = ref - value
-        s = Step(step, exempted, sens, reason, tuple(sorted(res.fp32)), len(res.fp32), metric, value, ref, drop,
-                 nbytes, drop <= budget + BUDGET_EPS)
-        trail.append(s)
-        say(f"mixed precision [{device}] step {step}: {len(res.fp32)} fp32 layer(s)"
-            + (f", +{exempted} ({sens:.2f} dB)" if exempted else "")
-            + f": {metric} {value:.2f}% (drop {drop:.2f} points, budget {budget:g})")
-        return res, model
+        return res, model, (tuple(sorted(res.fp32)), metric, value, ref, nbytes)
 
-    res0, model0 = measure(0, None, None, "baseline")
+    res0, model0, m0 = measure_here(0)
+    record(0, None, None, "baseline", m0)
     layers = analyze(model0, cal.graph, data, device=device, modes=("isolated",), progress=progress)
     cands = rank_candidates(layers, min_sqnr=min_sqnr, exclude=res0.fp32)
+    limit = len(cands) if cap is None else min(cap, len(cands))
+    ahead: dict[int, tuple] = {}  # parallel: exemption count -> measurement of the first n candidates
+
+    def measurement(n: int) -> tuple:
+        """The model with ``chosen == [c.node for c in cands[:n]]`` measured (here, or in a wave)."""
+        if pool is None:
+            return measure_here(n)[2]
+        if n not in ahead:
+            wave = range(n, min(n + pool.workers, limit + 1))
+            got = pool.map(_measure_task, [tuple(c.node for c in cands[:m]) for m in wave])
+            ahead.update(zip(wave, got))
+        return ahead.pop(n)
+
     message = ""
     k = 0
     while True:
@@ -254,7 +326,7 @@ def _search(cal, *, out, scratch, data, budget, min_sqnr, cap, device, model_nam
         c = cands[k]
         k += 1
         chosen.append(c.node)
-        measure(len(trail), c.node, c.sqnr_db, "below_min_sqnr" if c.below_floor else "budget")
+        record(len(trail), c.node, c.sqnr_db, "below_min_sqnr" if c.below_floor else "budget", measurement(k))
     from maceq.quant.pipeline import write_quantized
 
     last = trail[-1]
