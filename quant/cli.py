@@ -106,6 +106,7 @@ def _run_cli(fn, argv):
 # -- quantize ------------------------------------------------------------------------
 def _quantize(argv) -> int:
     from maceq.calibrate.methods import RangeMethod
+    from maceq.calibrate.parallel import Executor
     from maceq.datasets.images import ImageFolder
     from maceq.quant.config import QuantConfig, load_config
     from maceq.quant.mace.format import check_model_name
@@ -134,6 +135,16 @@ def _quantize(argv) -> int:
                    help="calibration images the bias correction measures on (default 32)")
     p.add_argument("--batch-size", type=int, help="calibration batch size (default 8)")
     p.add_argument("--max-images", type=int, help="use at most N calibration images")
+    par = p.add_argument_group("parallelism (docs/parallel.md)")
+    par.add_argument("--workers", type=int, metavar="N",
+                     help="calibrate on N shards at once (local processes or Ray tasks); also the number of "
+                          "mixed-precision candidates measured at once (default 1: in this process)")
+    par.add_argument("--executor", choices=["local", "ray"],
+                     help="where the shards and candidate evaluations run (default local; ray needs "
+                          "pip install 'maceq[ray]')")
+    par.add_argument("--ray-address", metavar="ADDR",
+                     help="Ray cluster for --executor ray, e.g. head:6379 or ray://head:10001 "
+                          "(default: RAY_ADDRESS, else a local Ray instance)")
     p.add_argument("--input-shape", help="fix the input shape, e.g. 1,3,224,224")
     p.add_argument("--eval-dir", help="after quantizing, evaluate float vs int8 on this image folder")
     p.add_argument("--labels", help="labels CSV (file,label) for --eval-dir")
@@ -171,6 +182,12 @@ def _quantize(argv) -> int:
     if not args.calib_dir:
         raise MaceqError("--calib-dir is required when a model is given")
     config = load_config(args.config) if args.config else QuantConfig()
+    if args.workers is not None and args.workers < 1:
+        raise MaceqError("--workers must be >= 1")
+    config = config.with_cli(workers=args.workers, executor=Executor.parse(args.executor) if args.executor else None,
+                             ray_address=args.ray_address)
+    if config.ray_address is not None and config.executor is not Executor.RAY:
+        raise MaceqError("--ray-address (config ray_address) needs --executor ray")
     config = config.with_cli(range_method=RangeMethod(args.range_method) if args.range_method else None,
                              percentile=args.percentile, batch_size=args.batch_size, max_images=args.max_images)
     if args.bias_correction_images is not None and args.bias_correction_images < 1:
@@ -269,7 +286,8 @@ def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) 
         r = auto_mixed_precision(cal, output_dir=out if len(devices) == 1 else out / device, eval_data=data,
                                  budget_points=args.accuracy_budget, min_sqnr=args.min_sqnr,
                                  max_fp32_layers=args.max_fp32_layers, device=device, model_name=name,
-                                 extra_meta=extra_meta, progress=not args.quiet)
+                                 extra_meta=extra_meta, progress=not args.quiet, executor=config.executor.value,
+                                 workers=config.workers, ray_address=config.ray_address)
         print(f"[{device}] automatic mixed precision, budget {args.accuracy_budget:g} points:")
         for s in r.trail:
             sens = "" if s.sensitivity_db is None else f"isolated SQNR {s.sensitivity_db:7.2f} dB"

@@ -16,6 +16,9 @@ Example::
     high_bias_absorption: true    # with cle: absorb high biases into the next layer
     bias_correction: true         # empirical bias correction per device
     bias_correction_images: 32    # calibration images it measures on
+    workers: 4                    # calibration shards and mixed-precision evaluations in parallel
+    executor: local               # local (processes) | ray (pip install 'maceq[ray]'); docs/parallel.md
+    # ray_address: "head:6379"    # with executor: ray (default: RAY_ADDRESS, else a local Ray)
 
 Every key is validated; an unknown key is an error that names it. Precedence, lowest first:
 the defaults, the recipe, the keys written in the file, the command-line flags.
@@ -28,12 +31,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from maceq.calibrate.methods import RangeMethod, parse_method
+from maceq.calibrate.parallel import Executor
 from maceq.errors import MaceqError
 from maceq.yamlio import one_line, read_yaml
 
 RECOVERY_KEYS = {"cle", "high_bias_absorption", "bias_correction", "bias_correction_images"}
+PARALLEL_KEYS = {"workers", "executor", "ray_address"}
 TOP_KEYS = {"range_method", "percentile", "batch_size", "max_images", "preprocess", "layers", "fp32_layers",
-            "recipe"} | RECOVERY_KEYS
+            "recipe"} | RECOVERY_KEYS | PARALLEL_KEYS
 LAYER_KEYS = {"range_method", "percentile"}
 
 
@@ -62,6 +67,11 @@ class QuantConfig:
     high_bias_absorption: bool = False
     bias_correction: bool = False
     bias_correction_images: int = 32
+    #: Parallel calibration and mixed-precision sweeps (docs/parallel.md): ``workers`` shards or
+    #: candidate evaluations at a time, on local processes or Ray tasks.
+    workers: int = 1
+    executor: Executor = Executor.LOCAL
+    ray_address: str | None = None
     #: The keys set explicitly (config file or command line): a recipe does not override them.
     explicit: frozenset = field(default_factory=frozenset, compare=False)
 
@@ -139,6 +149,18 @@ def config_from_dict(d: Any, *, source: str = "config") -> QuantConfig:
         kw["batch_size"] = _positive_int(d["batch_size"], f"{source}: batch_size")
     if "max_images" in d and d["max_images"] is not None:
         kw["max_images"] = _positive_int(d["max_images"], f"{source}: max_images")
+    if "workers" in d:
+        kw["workers"] = _positive_int(d["workers"], f"{source}: workers")
+    if "executor" in d:
+        try:
+            kw["executor"] = Executor.parse(d["executor"])
+        except MaceqError:
+            raise MaceqError(f"{source}: executor must be local or ray, got {one_line(repr(d['executor']))}") from None
+    if "ray_address" in d and d["ray_address"] is not None:
+        if not isinstance(d["ray_address"], str) or not d["ray_address"].strip():
+            raise MaceqError(f"{source}: ray_address must be a Ray address such as 'head:6379' or "
+                             f"'ray://head:10001', got {one_line(repr(d['ray_address']))}")
+        kw["ray_address"] = d["ray_address"].strip()
     if "preprocess" in d:
         if not isinstance(d["preprocess"], dict):
             raise MaceqError(f"{source}: preprocess must be a mapping")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from maceq.calibrate.methods import compute_range
-from maceq.calibrate.runner import collect
+from maceq.calibrate.parallel import collect_parallel
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import Preprocess
 from maceq.errors import MaceqError
@@ -149,8 +149,11 @@ def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, pre
         opt, step = _equalize(opt, config, data=data, in_name=in_name, progress=progress)
         recovery.append(step)
     names = tensors_to_calibrate(opt)
-    stats = collect(opt.to_onnx(), names, data.iter_batches(config.batch_size), input_name=in_name,
-                    total=len(data), progress=progress)
+    # one process (workers 1, local: calibrate.runner.collect here) or shards on processes / Ray tasks;
+    # bit-identical statistics either way (docs/parallel.md). Sets data.skipped like iter_batches.
+    stats = collect_parallel(opt.to_onnx(), names, data, workers=config.workers, executor=config.executor,
+                             ray_address=config.ray_address, batch_size=config.batch_size, input_name=in_name,
+                             progress=progress)
     ranges = {}
     for t in names:
         method, pct = config.method_for(t)
