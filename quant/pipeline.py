@@ -111,7 +111,10 @@ def _equalize(opt: Graph, config: QuantConfig, *, data: ImageFolder, in_name: st
     from maceq.quant.passes.equalize import collect_channel_stats, equalize
 
     stats = collect_channel_stats(opt, data.iter_batches(config.batch_size), input_name=in_name)
-    rep = equalize(opt, channel_stats=stats, absorb_bias=config.high_bias_absorption)
+    # ReLU6 links: a channel moves only if its pre-activation stays below the clip on every calibration
+    # image (headroom 1: exact on the calibration set; docs/recovery.md, "ReLU6").
+    rep = equalize(opt, relu6="calibrated", headroom=1.0, channel_stats=stats,
+                   absorb_bias=config.high_bias_absorption)
     use_b = [r.grid_use_before for r in rep.layers]
     use_a = [r.grid_use_after for r in rep.layers]
     absorbed = sum(ln.absorbed_channels for ln in rep.links)
