@@ -3,8 +3,8 @@
 Oracles: onnxruntime on the optimised float graph before the pass (the float function), weight
 ranges recomputed here from the stored initializers (Nagel's fixed point; AIMET's closed form
 cbrt(r1 r2 r3) for an isolated depthwise-separable triplet), per-channel statistics of the new
-graph collected again on the images (the ReLU6 rule), and the float model's top-1 (quantized
-agreement).
+graph collected again on the images (the ReLU6 rule), interval bounds recomputed here from the
+weights, and each quantized layer alone against onnxruntime (reports.analysis, isolated mode).
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import math
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
 
 from maceq.calibrate.methods import compute_range
 from maceq.calibrate.runner import collect, make_session
@@ -38,7 +37,7 @@ def _images(shared_data, folder, n):
 @pytest.fixture(scope="module")
 def mnv2(shared_data):
     path = shared_data / "models" / "mobilenet_v2.onnx"
-    g, in_shapes, shapes = prepare_graph(path, input_shape=None, preprocess=PRE)
+    g, in_shapes, _ = prepare_graph(path, input_shape=None, preprocess=PRE)
     calib = _images(shared_data, "calib", N_CALIB)
     stats = collect_channel_stats(g, calib)
     return {"path": path, "graph": g, "in_shapes": in_shapes, "stats": stats, "calib": calib,
@@ -139,6 +138,19 @@ def test_float_function_is_kept_on_calibration_and_held_out_images(mnv2, exact, 
     dw = [n for n in mnv2["graph"].nodes if int(n.attr("group", 1)) > 1]
     shrunk = sum(_out_ranges(g, _node(g, n.name)).max() < 0.8 * _out_ranges(mnv2["graph"], n).max() for n in dw)
     assert shrunk >= (0 if which == "exact" else 12)
+
+
+def test_exact_mode_needs_no_data_efficientnet(shared_data):
+    """EfficientNet-Lite0, whose ReLU6 channels mostly clip: relu6='exact' without any statistics
+    moves only interval-proven channels and keeps the function on held-out images."""
+    pre = PRESETS["tf"]
+    g0, _, _ = prepare_graph(shared_data / "models" / "efficientnet_lite0.onnx", input_shape=None, preprocess=pre)
+    g = g0.copy()
+    rep = equalize(g, relu6="exact", absorb_bias=False)
+    assert len(rep.links) == 35 and sum(ln.proven_channels for ln in rep.links) > 1000
+    assert sum(not np.allclose(_w(g, _node(g, n.name)), _w(g0, n)) for n in g0.nodes if n.op_type == "Conv") >= 20
+    images = [b.data for b in ImageFolder(shared_data / "photos" / "eval", pre, labels=None, limit=8).iter_batches(8)]
+    assert _max_rel_err(_outputs(g0, images), _outputs(g, images)) < 1e-4
 
 
 def test_relu6_rule_moves_only_channels_below_the_clip(mnv2, exact_cle, calibrated):
