@@ -145,6 +145,14 @@ _WORKER_QUEUE: Any = None
 def _init_local_worker(shared: Any, queue: Any) -> None:
     global _WORKER_SHARED, _WORKER_QUEUE
     _WORKER_SHARED, _WORKER_QUEUE = shared, queue
+    _one_thread()
+
+
+def _one_thread() -> None:
+    """Workers are one per core already: their simulations run single-threaded (runtime/threads.py)."""
+    from maceq.runtime import threads
+
+    threads.limit(1)
 
 
 def _run_local(fn: Callable, item: Any) -> Any:
@@ -154,6 +162,7 @@ def _run_local(fn: Callable, item: Any) -> Any:
 
 def _run_ray(fn: Callable, shared: Any, item: Any) -> Any:
     # Ray resolves the top-level ObjectRef argument ``shared`` to its value before the call.
+    _one_thread()
     return fn(shared, item, None)
 
 

@@ -18,6 +18,7 @@ from maceq.runtime import ops_dsp as _ops_dsp  # noqa: F401
 from maceq.runtime import ops_float as _ops_float  # noqa: F401
 from maceq.runtime import ops_gpu as _ops_gpu  # noqa: F401
 from maceq.runtime import ops_shape as _ops_shape  # noqa: F401
+from maceq.runtime import threads as _threads
 from maceq.runtime.graph import RtOp, parse_ops
 from maceq.runtime.profiles import DeviceProfile, get_profile
 from maceq.runtime.qtypes import QInfo
@@ -156,7 +157,7 @@ class Model:
                    if i in where_made and where_made[i] != placement[op.name][0])
 
     def run(self, inputs: dict[str, np.ndarray], *, device: str = "cpu", intermediates: bool = False,
-            backend: str = "numpy", before_op=None):
+            backend: str = "numpy", before_op=None, threads: int | None = None):
         """Run the model on float inputs; returns {output: float32 array}, or a RunResult with intermediates.
 
         ``backend``: "numpy" (the bit-exact simulation, default) or "opencl" (the gpu device's real
@@ -164,7 +165,14 @@ class Model:
         ``before_op(index, op, inputs)``: called with each op's input QTensors before the op runs; it
         may replace the op's constants in ``self.consts``/``self.const_qinfo`` and then returns True,
         so that the op is prepared again (the sequential bias correction uses this).
+        ``threads``: how many threads the compiled kernels use (default: runtime/threads.py); the
+        results do not depend on it.
         """
+        with _threads.section(threads):
+            return self._run(inputs, device=device, intermediates=intermediates, backend=backend,
+                             before_op=before_op)
+
+    def _run(self, inputs, *, device, intermediates, backend, before_op):
         profile = get_profile(device)
         if backend not in ("numpy", "opencl"):
             raise MaceqError(f"unknown backend '{backend}' (choose numpy or opencl)")

@@ -647,7 +647,10 @@ def fully_connected_fixed_ref(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier
 # requantization of arguments 3-5 runs as one compiled pass per GEMM block (the
 # same float64 operations per element, so the same proofs), the folded GEMM of
 # argument 2 is then not used, and DepthwiseConv2d with multiplier 1 accumulates
-# G tap by tap in a compiled loop. MACEQ_NO_JIT=1 selects the numpy paths.
+# G tap by tap in a compiled loop. Conv2D with group 1 runs whole in compiled code
+# where numpy's BLAS can be called from it (blocks of rows on numba's threads, the
+# GEMM of each block through runtime/kernels/blas.py): the same G (exact in any
+# summation order) and the same requantization. MACEQ_NO_JIT=1 selects the numpy paths.
 # Outside these bounds (inputs wider than 16 bits, huge biases or shifts, left
 # shifts, negative multipliers) the generic int64 paths above run instead.
 
@@ -893,6 +896,14 @@ class Conv2dPlan:
         x, g, kind, mats, dt = self._setup(x)
         if kind is None:
             return _conv2d_generic(x, self.w, self.bias, **self.kwargs)
+        if kind == "g" and self.group == 1 and jit.gemm_available():
+            # whole in compiled code, blocks of rows on numba's threads (runtime/kernels/jit.py)
+            out = np.empty((g.n, g.oh, g.ow, self.w.shape[0]), self.out_dtype)
+            if g.kh == g.kw == g.sh == g.sw == 1 and not (g.top or g.left or g.bottom or g.right):
+                jit.pointwise_conv(x.reshape(-1, g.c), self.x_zp, mats[0], self.rq, out.reshape(-1, out.shape[3]))
+            else:
+                jit.im2col_conv(x, self.x_zp, mats[0], g, self.rq, out)
+            return out
         folded = kind == "folded"
         o, group = self.w.shape[0], self.group
         og, cg = o // group, g.c // group
@@ -1070,10 +1081,12 @@ class DepthwiseConv2dPlan:
         o = c * mult
         if fixed and mult == 1 and jit.available():  # one compiled pass per output row (runtime/kernels/jit.py)
             out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)
-            wc = self._jit_w.get(dtype)
-            if wc is None:
-                wc = self._jit_w[dtype] = np.ascontiguousarray(self.wo[:, :, :, 0], dtype=dtype)
-            jit.depthwise_fixed(np.subtract(x, self.x_zp, dtype=dtype), wc, g, self.rq, out)
+            key = (np.dtype(dtype).str, g.ow)
+            wt = self._jit_w.get(key)
+            if wt is None:  # the offset filter tiled along an output row: [KH, KW, OW*C]
+                wt = np.broadcast_to(self.wo[:, :, None, :, 0], (kh, kw, g.ow, c)).astype(dtype)
+                wt = self._jit_w[key] = wt.reshape(kh, kw, g.ow * c)
+            jit.depthwise_fixed(x, self.x_zp, wt, g, self.rq.tiles(g.ow), self.rq, out)
             return out
         groups = self._tap_groups(g, dtype)
         out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)

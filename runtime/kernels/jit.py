@@ -13,29 +13,48 @@ there), so the exactness arguments carry over unchanged:
   product and the sum are exact, so the fused result is the same exact value, and
   without bound B the fused operation is still correctly rounded, hence monotone in G,
   which is all the saturation argument uses.
-- ``depthwise_accumulate``: G of a depthwise convolution with channel multiplier 1,
-  accumulated tap by tap in the dtype of the centered input (float32 while X*L1 < 2^24,
-  else float64; every partial sum is then an integer of magnitude <= X*L1, exact in
-  any order, argument 3). Taps that fall into the zero padding are skipped, which adds
-  exactly the zero they would contribute. Then ``requant_store`` per output row.
+- ``pointwise_conv`` / ``im2col_conv`` (Conv2D, group 1, G path): per block of output rows,
+  the centered input rows x - zp (or their im2col rows; taps in the padding are 0, as padding
+  with zp gives), G = A @ W by numpy's own BLAS called from the compiled code
+  (runtime/kernels/blas.py; exact in any summation order, argument 3), then ``requant_store``'s
+  steps on G. The blocks run on numba's threads (``prange``); every output element belongs to
+  one block, so the result does not depend on the number of threads.
+- ``depthwise_fixed``: G of a depthwise convolution with channel multiplier 1, accumulated tap
+  by tap in float32 while X*L1 < 2^24, else float64 (every partial sum is then an integer of
+  magnitude <= X*L1, exact in any order, argument 3), from a per-block buffer of centered,
+  zero-padded input rows; then the requantization per output row. Blocks of output rows run
+  on numba's threads.
+- ``quantize_neon`` / ``find_range`` / ``lut_pairs``: the input Quantize's float32 steps and
+  MACE's FindMinMax loop, and the Eltwise table look-ups, one pass each. Float32 operations
+  are not contracted into FMAs without fast-math (tests/test_quantize_kernel.py has crafted
+  points where an FMA would differ and requires 0 mismatches on this path).
 
 ``available()`` says whether numba imported; the plans fall back to their numpy paths
 otherwise, or when ``MACEQ_NO_JIT=1`` is set (tests run both and compare each with
-the ``*_ref`` kernels).
+the ``*_ref`` kernels). ``gemm_available()`` also requires the BLAS binding; without it the
+convolutions keep the numpy GEMM and the compiled requantization.
+
+Loop-writing rules that keep LLVM's vectorizer working (each measured 3-5x): no branch on a
+runtime flag inside an inner loop (flags pick one of several loops up front), index only with
+counters that start at 0 (an index like ``base + i`` may be negative, so numba adds a
+wraparound select per element: slice first, then index the slice), and keep every float
+operand of an expression in one type.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
 
+from maceq.runtime.kernels import blas
+
 try:  # numba is a declared dependency; the numpy paths stay as the fallback
-    from numba import njit
+    from numba import njit, prange
 except ImportError:  # pragma: no cover - exercised only without numba
     njit = None
 
-__all__ = ["available", "requant_store", "depthwise_fixed"]
+__all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
+           "lut_pairs", "find_range", "quantize_neon"]
 
 
 def available() -> bool:
@@ -44,58 +63,286 @@ def available() -> bool:
 
 
 if njit is not None:
-    # Single-threaded on purpose: numba's thread pool next to OpenBLAS's threads oversubscribes
-    # the cores, and on a busy machine that was measured 20x slower (bench/speed.py).
     _jit = njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
-
-    @_jit
-    def _requant_row(g, scale, offset, y_theta, step, lo, hi, mode, out):
-        """One row: mode bit 0 = apply y = g*scale + offset, bit 1 = correction, bit 2 = floor."""
-        n = g.shape[0]
-        affine, correct, floor = (mode & 1) != 0, (mode & 2) != 0, (mode & 4) != 0
-        for c in range(n):
-            y = np.float64(g[c])
-            if affine:
-                y = y * scale[c] + offset[c]
-            if correct:
-                if y < y_theta[c]:
-                    y = y - step[c]
-            if floor:
-                y = math.floor(y)
-            y = min(max(y, lo), hi)
-            out[c] = np.int32(y)
+    # The convolutions run their blocks on numba's thread pool (runtime/threads.py sets its size).
+    # BLAS is single-threaded meanwhile (blas.single_threaded): two thread pools spinning on the
+    # same cores were measured 20x slower on a busy machine.
+    _pjit = njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", parallel=True)
 
     @_jit
     def _requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out):
-        for r in range(g.shape[0]):
-            _requant_row(g[r], scale, offset, y_theta, step, lo, hi, mode, out[r])
+        """out[r, c] = clamp(floor(y)), y = g[r, c]*scale[c] + offset[c] (mode bit 0) or g[r, c],
+        less step[c] where y < y_theta[c] (y_theta is -inf where no channel needs it; mode bit 1
+        is then clear and the compare is skipped), floor only when mode bit 2 (lo < 0): for
+        lo >= 0 the store truncates the clamped value, which is the floor of y."""
+        rows, n = g.shape
+        affine, correct, floor = (mode & 1) != 0, (mode & 2) != 0, (mode & 4) != 0
+        for r in range(rows):
+            gr, o = g[r], out[r]
+            if affine and correct and not floor:  # the common case: uint8 outputs
+                for c in range(n):
+                    y = np.float64(gr[c]) * scale[c] + offset[c]
+                    y = y - step[c] if y < y_theta[c] else y
+                    o[c] = np.int32(min(max(y, lo), hi))
+            elif affine and not correct and not floor:
+                for c in range(n):
+                    y = np.float64(gr[c]) * scale[c] + offset[c]
+                    o[c] = np.int32(min(max(y, lo), hi))
+            else:
+                for c in range(n):
+                    y = np.float64(gr[c])
+                    if affine:
+                        y = y * scale[c] + offset[c]
+                    if correct:
+                        if y < y_theta[c]:
+                            y = y - step[c]
+                    if floor:
+                        y = np.floor(y)
+                    o[c] = np.int32(min(max(y, lo), hi))
+
+    @_pjit
+    def _depthwise_rows(x, zp, wt, sh, sw, dh, dw, top, left, oh, ow, rows, scale, offset, y_theta, step, lo, hi,
+                        mode, out):
+        """Depthwise convolution, channel multiplier 1, of x [N, H, W, C] (integer codes, zero point zp,
+        padding top/left and whatever the output size implies) with the offset filter tiled along the
+        output row, ``wt`` [KH, KW, OW*C]; requantized like _requant_rows with per-channel vectors
+        tiled to OW*C, into ``out`` [N, OH, OW, C].
+
+        One iteration (one thread) takes ``rows`` output rows of one image. It first centres the input
+        rows they read into a local buffer, zero padded and split by padded column modulo the stride
+        (phase p holds padded columns p, p + sw, ...), so that tap (ky, kx) of output row oy reads
+        buffer row oy*sh + ky*dh (relative), phase (kx*dw) % sw from column (kx*dw) // sw on: one
+        contiguous run of OW*C values."""
+        n_img, h, w, c = x.shape
+        kh, kw = wt.shape[0], wt.shape[1]
+        m = ow * c
+        wq = ((ow - 1) * sw + (kw - 1) * dw) // sw + 1  # phase columns any tap reads
+        per_img = (oh + rows - 1) // rows
+        z = wt.dtype.type(zp)
+        for it in prange(n_img * per_img):
+            n, oy0 = it // per_img, (it % per_img) * rows
+            oy1 = min(oh, oy0 + rows)
+            r0 = oy0 * sh  # first padded input row read
+            nr = (oy1 - 1 - oy0) * sh + (kh - 1) * dh + 1
+            buf = np.zeros((nr, sw, wq, c), wt.dtype)
+            for r in range(nr):
+                iy = r0 + r - top
+                if iy < 0 or iy >= h:
+                    continue  # a padding row: stays zero
+                xr = x[n, iy]
+                for j in range(sw * wq):
+                    ix = j - left  # padded column j
+                    if ix < 0 or ix >= w:
+                        continue
+                    src, dst = xr[ix], buf[r, j % sw, j // sw]
+                    for ch in range(c):
+                        dst[ch] = wt.dtype.type(src[ch]) - z
+            acc = np.empty(m, wt.dtype)
+            g = acc.reshape(1, m)
+            for oy in range(oy0, oy1):
+                for ky in range(kh):
+                    row = buf[(oy - oy0) * sh + ky * dh]
+                    wr = wt[ky]
+                    if kw == 3:  # the three taps of a row in one pass over acc
+                        p1, q1 = dw % sw, (dw // sw) * c
+                        p2, q2 = (2 * dw) % sw, ((2 * dw) // sw) * c
+                        s0 = row[0].reshape(-1)[0:m]
+                        s1 = row[p1].reshape(-1)[q1:q1 + m]
+                        s2 = row[p2].reshape(-1)[q2:q2 + m]
+                        w0, w1, w2 = wr[0], wr[1], wr[2]
+                        if ky == 0:
+                            for i in range(m):
+                                acc[i] = s0[i] * w0[i] + s1[i] * w1[i] + s2[i] * w2[i]
+                        else:
+                            for i in range(m):
+                                acc[i] += s0[i] * w0[i] + s1[i] * w1[i] + s2[i] * w2[i]
+                    else:
+                        for kx in range(kw):
+                            p, q = (kx * dw) % sw, ((kx * dw) // sw) * c
+                            src = row[p].reshape(-1)[q:q + m]
+                            wk = wr[kx]
+                            if ky == 0 and kx == 0:
+                                for i in range(m):
+                                    acc[i] = src[i] * wk[i]
+                            else:
+                                for i in range(m):
+                                    acc[i] += src[i] * wk[i]
+                _requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out[n, oy].reshape(1, m))
 
     @_jit
-    def _depthwise(xc, w, sh, sw, dh, dw, top, left, oh, ow, scale, offset, y_theta, step, lo, hi, mode, out):
-        """xc: centered input [N, H, W, C]; w: offset filter [KH, KW, C] in xc's dtype; out [N, OH, OW, C]."""
-        n_img, h, wd, c = xc.shape
-        kh, kw = w.shape[0], w.shape[1]
-        for r in range(n_img * oh):
-            n, oy = r // oh, r % oh
-            acc = np.zeros((ow, c), xc.dtype)
-            for ky in range(kh):
-                iy = oy * sh - top + ky * dh
-                if iy < 0 or iy >= h:
-                    continue  # a padding row: adds 0
-                xrow = xc[n, iy]
-                for kx in range(kw):
-                    d = left - kx * dw  # ix = ox*sw - d
-                    ox0 = max(0, -((-d) // sw))  # first ox with ix >= 0
-                    ox1 = min(ow, (wd - 1 + d) // sw + 1)  # one past the last ox with ix < W
-                    wk = w[ky, kx]
-                    for ox in range(ox0, ox1):
-                        a = acc[ox]
-                        xr = xrow[ox * sw - d]
-                        for ch in range(c):
-                            a[ch] += xr[ch] * wk[ch]
-            orow = out[n, oy]
-            for ox in range(ow):
-                _requant_row(acc[ox], scale, offset, y_theta, step, lo, hi, mode, orow[ox])
+    def _gemm(addr, bits64, m, n, k, a, b, c):
+        """c[:m] = a[:m] @ b by the CBLAS GEMM at addr (rows of a and c contiguous)."""
+        if bits64:
+            blas.call_gemm64(addr, m, n, k, a, a.shape[1], b, n, c, n)
+        else:
+            blas.call_gemm32(addr, m, n, k, a, a.shape[1], b, n, c, n)
+
+    @_pjit
+    def _pointwise(x, zp, w, addr, bits64, block, scale, offset, y_theta, step, lo, hi, mode, out):
+        """1x1 stride-1 convolution of x [rows, C] with w [C, O] (offset filter, float32/float64):
+        per block of rows (one per thread at a time) the centered rows x - zp, their GEMM G, and G
+        requantized into out [rows, O] (argument 3 then 4-5 of conv.py's "Fast paths")."""
+        rows, c = x.shape
+        o = w.shape[1]
+        z = w.dtype.type(zp)
+        for b in prange((rows + block - 1) // block):
+            r0 = b * block
+            m = min(block, rows - r0)
+            a = np.empty((m, c), w.dtype)
+            for r in range(m):
+                ar, xr = a[r], x[r0 + r]
+                for j in range(c):
+                    ar[j] = w.dtype.type(xr[j]) - z
+            g = np.empty((m, o), w.dtype)
+            _gemm(addr, bits64, m, o, c, a, w, g)
+            _requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out[r0:r0 + m])
+
+    @_pjit
+    def _im2col(x, zp, kh, kw, sh, sw, dh, dw, top, left, oh, ow, w, addr, bits64, block, scale, offset, y_theta,
+                step, lo, hi, mode, out):
+        """Convolution (group 1) of x [N, H, W, C] (integer codes, zero point zp, padding top/left) with
+        w [KH*KW*C, O]: per block of output pixels the im2col rows of x - zp (window order KH, KW, C, as
+        the filter's OHWI rows; taps in the padding are 0, which is what padding x with zp gives), their
+        GEMM and the requantization into out [N*OH*OW, O]."""
+        n_img, h, wd, c = x.shape
+        k, o = w.shape
+        z = w.dtype.type(zp)
+        total = n_img * oh * ow
+        for b in prange((total + block - 1) // block):
+            p0 = b * block
+            m = min(block, total - p0)
+            a = np.empty((m, k), w.dtype)
+            for i in range(m):
+                p = p0 + i
+                n, rem = p // (oh * ow), p % (oh * ow)
+                oy, ox = rem // ow, rem % ow
+                ar = a[i]
+                for ky in range(kh):
+                    iy = oy * sh + ky * dh - top
+                    for kx in range(kw):
+                        ix = ox * sw + kx * dw - left
+                        dst = ar[(ky * kw + kx) * c:(ky * kw + kx + 1) * c]
+                        if iy < 0 or iy >= h or ix < 0 or ix >= wd:
+                            dst[:] = 0
+                        else:
+                            src = x[n, iy, ix]
+                            for j in range(c):
+                                dst[j] = w.dtype.type(src[j]) - z
+            g = np.empty((m, o), w.dtype)
+            _gemm(addr, bits64, m, o, k, a, w, g)
+            _requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out[p0:p0 + m])
+
+
+    _CHUNK = 1 << 14  # elements per iteration of the elementwise loops below
+
+    @_pjit
+    def _lut_pairs(a, b, body, body_table, tail_table, out):
+        """out[i] = body_table[a[i]*256 + b[i]] for i < body, else tail_table[...] (flat uint8 arrays)."""
+        n = a.shape[0]
+        for k in prange((n + _CHUNK - 1) // _CHUNK):
+            for i in range(k * _CHUNK, min(n, (k + 1) * _CHUNK)):
+                j = np.int64(a[i]) * 256 + np.int64(b[i])
+                out[i] = body_table[j] if i < body else tail_table[j]
+
+    @_jit
+    def _find_range(v):
+        """MACE's FindMinMax loop: min/max from (FLT_MAX, -FLT_MAX), a NaN never replaces the running value."""
+        mn, mx = np.float32(3.4028234663852886e38), np.float32(-3.4028234663852886e38)
+        for i in range(v.shape[0]):
+            x = v[i]
+            if x < mn:
+                mn = x
+            if mx < x:
+                mx = x
+        return mn, mx
+
+    @_pjit
+    def _quantize_neon(v, recip, vzero, zp_f, body_end, out):
+        """MACE's NEON uint8 quantize (runtime/kernels/quantize.py, quantize_neon), every step in float32:
+        body t = (v*recip) + vzero, two roundings, truncated; tail t = zp + (recip*v), rounded half away
+        from zero; both saturated to [0, 255], NaN -> 0."""
+        n = v.shape[0]
+        for k in prange((n + _CHUNK - 1) // _CHUNK):
+            for i in range(k * _CHUNK, min(n, (k + 1) * _CHUNK)):
+                if i < body_end:
+                    prod = v[i] * recip
+                    t = np.float64(prod + vzero)
+                    d = np.trunc(t)
+                else:
+                    prod = recip * v[i]
+                    t = np.float64(zp_f + prod)
+                    d = np.floor(np.abs(t) + 0.5)
+                    d = -d if t < 0 else d
+                if d != d:
+                    out[i] = 0
+                else:
+                    out[i] = np.int32(min(max(d, 0.0), 255.0))
+
+
+def lut_pairs(a: np.ndarray, b: np.ndarray, body: int, body_table: np.ndarray, tail_table: np.ndarray) -> np.ndarray:
+    """Codes of the uint8 pairs (a, b) (same shape) from two 65536-entry tables: body_table below
+    flat index ``body``, tail_table from there (runtime/kernels/eltwise.py)."""
+    out = np.empty(a.shape, np.uint8)
+    _lut_pairs(np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1), int(body), body_table,
+               tail_table, out.reshape(-1))
+    return out
+
+
+def find_range(v: np.ndarray) -> tuple[float, float]:
+    """(min, max) of a flat float32 array by MACE's FindMinMax loop (see quantize.find_range)."""
+    mn, mx = _find_range(v)
+    return float(mn), float(mx)
+
+
+def quantize_neon(v: np.ndarray, recip: np.float32, vzero: np.float32, zp_f: np.float32, body_end: int) -> np.ndarray:
+    """MACE's NEON quantize of a flat float32 array (see quantize.quantize_neon)."""
+    out = np.empty(v.shape[0], np.uint8)
+    _quantize_neon(v, np.float32(recip), np.float32(vzero), np.float32(zp_f), int(body_end), out)
+    return out
+
+
+_BLOCK_BYTES = 1 << 18  # bytes of one block's A and G together: a block stays in L2
+
+
+def _block_rows(rows: int, k: int, o: int, itemsize: int) -> int:
+    """Rows per GEMM block: within _BLOCK_BYTES, at least 16, and small enough that every thread
+    gets a block."""
+    fit = max(16, _BLOCK_BYTES // (itemsize * (k + o)))
+    share = -(-rows // max(1, _num_threads()))
+    return max(1, min(fit, max(16, share)))
+
+
+def _num_threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+def gemm_available() -> bool:
+    """True when the convolutions can run whole in compiled code (compiled loops and a BLAS binding)."""
+    return available() and blas.gemm() is not None
+
+
+def pointwise_conv(x: np.ndarray, x_zp: int, w: np.ndarray, rq, out: np.ndarray) -> None:
+    """1x1 stride-1 unpadded convolution, group 1: x [rows, C] integer, w [C, O] offset filter
+    (float32/float64, C-contiguous), requantized by ``rq`` (conv.py's _ExactRequant) into out [rows, O]."""
+    gm = blas.gemm()
+    rows, c = x.shape
+    o = w.shape[1]
+    _pointwise(x, int(x_zp), w, gm.sgemm if w.dtype == np.float32 else gm.dgemm, gm.int_bits == 64,
+               _block_rows(rows, c, o, w.itemsize), rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo),
+               float(rq.hi), _mode(affine=True, correct=rq.correct, lo=rq.lo), out)
+
+
+def im2col_conv(x: np.ndarray, x_zp: int, w: np.ndarray, g, rq, out: np.ndarray) -> None:
+    """Convolution, group 1, of x [N, H, W, C] (geometry ``g``) with w [KH*KW*C, O] (offset filter in
+    window order, float32/float64), requantized by ``rq`` into out [N, OH, OW, O]."""
+    gm = blas.gemm()
+    k, o = w.shape
+    _im2col(x, int(x_zp), g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, w,
+            gm.sgemm if w.dtype == np.float32 else gm.dgemm, gm.int_bits == 64,
+            _block_rows(g.n * g.oh * g.ow, k, o, w.itemsize), rq.scale, rq.offset, rq.y_theta, rq.step,
+            float(rq.lo), float(rq.hi), _mode(affine=True, correct=rq.correct, lo=rq.lo), out.reshape(-1, o))
 
 
 def _mode(*, affine: bool, correct: bool, lo: int) -> int:
@@ -113,9 +360,13 @@ def requant_store(g: np.ndarray, rq, dst: np.ndarray, *, affine: bool, channels:
                   float(rq.lo), float(rq.hi), _mode(affine=affine, correct=rq.correct, lo=rq.lo), dst)
 
 
-def depthwise_fixed(xc: np.ndarray, w: np.ndarray, g, rq, out: np.ndarray) -> None:
-    """Depthwise convolution (channel multiplier 1) of the centered input ``xc`` [N, H, W, C] with
-    the offset filter ``w`` [KH, KW, C] (both float32, or both float64), geometry ``g`` (strides,
-    dilations, pads, output size), requantized by ``rq`` into ``out`` [N, OH, OW, C]."""
-    _depthwise(xc, w, g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, rq.scale, rq.offset, rq.y_theta,
-               rq.step, float(rq.lo), float(rq.hi), _mode(affine=True, correct=rq.correct, lo=rq.lo), out)
+def depthwise_fixed(x: np.ndarray, x_zp: int, wt: np.ndarray, g, tiles, rq, out: np.ndarray) -> None:
+    """Depthwise convolution (channel multiplier 1) of the integer input ``x`` [N, H, W, C] (zero point
+    ``x_zp``, geometry ``g``) with the offset filter tiled along the output row, ``wt`` [KH, KW, OW*C]
+    (float32 or float64: the accumulator type), requantized by ``rq`` with its vectors ``tiles``
+    (rq.tiles(OW)) into ``out`` [N, OH, OW, C]."""
+    per_thread = -(-(g.n * g.oh) // (4 * max(1, _num_threads())))  # about 4 blocks per thread
+    rows = max(1, min(g.oh, per_thread, 16))
+    _depthwise_rows(x, int(x_zp), wt, g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, rows, tiles.scale,
+                    tiles.offset, tiles.y_theta, tiles.step, float(rq.lo), float(rq.hi),
+                    _mode(affine=True, correct=rq.correct, lo=rq.lo), out)

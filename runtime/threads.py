@@ -1,0 +1,107 @@
+"""How many threads the cpu simulation uses, and the section in which it uses them.
+
+The compiled kernels (runtime/kernels/jit.py) split a convolution into blocks of output
+rows and run them on numba's thread pool (``prange``); each block calls BLAS itself
+(runtime/kernels/blas.py). Results do not depend on the number of threads: every output
+element is computed by one block, by the same code, and every GEMM is exact
+(tests/test_threads.py runs whole models with 1, 2 and 3 threads and compares every tensor).
+
+- The number: ``MACEQ_NUM_THREADS`` if set, else the CPUs this process may run on (capped by
+  numba's own limit, ``NUMBA_NUM_THREADS``). :func:`limit` overrides it for the process;
+  parallel calibration's worker processes use ``limit(1)``.
+- :func:`section` wraps one model run: numba's pool gets that many threads, and BLAS is held to
+  one thread (threadpoolctl), because two pools of spinning threads on the same cores were
+  measured 20x slower on a busy machine. Nested and concurrent sections share one BLAS limit,
+  restored when the last one ends.
+
+Why numba's pool rather than Python threads: a dispatch to a sleeping Python thread was measured
+at 60-70 us on this project's 2-vCPU machines (waking a halted vCPU, then a GIL hand-off), more
+than most of MobileNetV2's kernels take; numba's OpenMP layer keeps its workers spinning briefly
+and dispatches in about 3 us.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+
+from maceq.errors import MaceqError
+
+__all__ = ["default_threads", "limit", "current", "section"]
+
+_LIMIT: int | None = None
+_LOCK = threading.Lock()
+_DEPTH = 0
+_BLAS_CTX = None
+
+
+def _numba_max() -> int:
+    try:
+        from numba import config
+    except ImportError:  # pragma: no cover
+        return 1
+    return max(1, int(config.NUMBA_NUM_THREADS))
+
+
+def default_threads() -> int:
+    """MACEQ_NUM_THREADS if set, else the CPUs this process may use; at most numba's limit."""
+    env = os.environ.get("MACEQ_NUM_THREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise MaceqError(f"MACEQ_NUM_THREADS must be a positive integer, got '{env}'")
+    else:
+        try:
+            n = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            n = os.cpu_count() or 1
+    return max(1, min(n, _numba_max()))
+
+
+def limit(threads: int | None) -> None:
+    """Use ``threads`` threads in this process from now on (None: back to the default)."""
+    global _LIMIT
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise MaceqError(f"threads must be a positive integer, got {threads!r}")
+    _LIMIT = threads
+
+
+def current() -> int:
+    """The number of threads the kernels use now."""
+    return max(1, min(_LIMIT if _LIMIT is not None else default_threads(), _numba_max()))
+
+
+@contextmanager
+def section(threads: int | None = None):
+    """One model run: numba's pool sized to ``threads`` (default :func:`current`), BLAS on one thread."""
+    global _DEPTH, _BLAS_CTX
+    n = current() if threads is None else threads
+    if not isinstance(n, int) or n < 1:
+        raise MaceqError(f"threads must be a positive integer, got {n!r}")
+    n = min(n, _numba_max())
+    from maceq.runtime.kernels import blas, jit
+
+    if not jit.available():
+        yield n
+        return
+    import numba
+
+    previous = numba.get_num_threads()
+    numba.set_num_threads(n)  # per calling thread in numba
+    with _LOCK:
+        if _DEPTH == 0 and blas.gemm() is not None:
+            _BLAS_CTX = blas.single_threaded()
+            _BLAS_CTX.__enter__()
+        _DEPTH += 1
+    try:
+        yield n
+    finally:
+        with _LOCK:
+            _DEPTH -= 1
+            if _DEPTH == 0 and _BLAS_CTX is not None:
+                ctx, _BLAS_CTX = _BLAS_CTX, None
+                ctx.__exit__(None, None, None)
+        numba.set_num_threads(previous)
