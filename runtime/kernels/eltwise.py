@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.runtime.kernels import jit
 from maceq.runtime.fixedpoint import (
     quantize_multiplier,
     rounding_divide_by_pot,
@@ -206,6 +207,8 @@ def eltwise_add(a, b, *, a_scale: float, a_zp: int, b_scale: float, b_zp: int,
     if n < _LUT_MIN:
         return _codes(a.ravel(), b_full.ravel(), body, p, subtract, act_min, act_max).reshape(a.shape)
     body_table, tail_table = _tables(p, bool(subtract), int(act_min), int(act_max))
+    if jit.available():  # the same look-ups in one compiled pass
+        return jit.lut_pairs(a, b_full, body, body_table, tail_table)
     idx = (a.astype(np.uint16) << 8) | b_full
     out = body_table.take(idx)
     if body < n:

@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.runtime.kernels import jit
 
 _F32 = np.float32
 # MACE's NEON quantize processes whole blocks of 16 floats; the rest go through the scalar loop.
@@ -62,6 +63,8 @@ def find_range(x) -> tuple[float, float]:
     v = _as_f32(x).ravel()
     if v.size == 0:
         raise MaceqError("Quantize: empty input tensor (MACE_CHECK(input.size() != 0))")
+    if jit.available():  # the C++ loop itself, compiled
+        return jit.find_range(v)
     finite_or_inf = v[~np.isnan(v)]
     if finite_or_inf.size == 0:
         return float(np.finfo(np.float32).max), float(-np.finfo(np.float32).max)
@@ -177,6 +180,8 @@ def quantize_neon(x, *, scale: float, zero_point: int) -> np.ndarray:
     recip = _recip(scale)
     vzero = _F32(_F32(0.5) + _F32(zero_point))
     body_end = (flat.size // NEON_QUANT_BLOCK) * NEON_QUANT_BLOCK
+    if jit.available():  # the same float32 steps in one compiled pass
+        return jit.quantize_neon(flat, recip, vzero, _F32(zero_point), body_end).reshape(v.shape)
     out = np.empty(flat.size, dtype=np.uint8)
     with np.errstate(invalid="ignore", over="ignore"):
         body = (flat[:body_end] * recip).astype(np.float32) + vzero  # two float32 roundings
