@@ -33,7 +33,6 @@ from maceq.runtime import load
 from maceq.runtime.fixedpoint import INT32_MAX, INT32_MIN, multiply_by_quantized_multiplier, requant_floor_terms
 from maceq.runtime.kernels import conv as k_conv
 from maceq.runtime.kernels import eltwise as k_elt
-from maceq.runtime.kernels import jit as k_jit
 from maceq.runtime.kernels.conv import (
     FloatRequant,
     conv2d_plan,
@@ -102,18 +101,6 @@ def test_requant_floor_terms_random():
 def test_requant_floor_terms_domain(q, shift):
     with pytest.raises(MaceqError):
         requant_floor_terms(q, shift, 0)
-
-
-@pytest.fixture(params=["compiled", "numpy"])
-def loops(request, monkeypatch):
-    """Run a test on the compiled loops (runtime/kernels/jit.py) and on the numpy fast paths."""
-    if request.param == "numpy":
-        monkeypatch.setenv("MACEQ_NO_JIT", "1")
-        assert not k_jit.available()
-    else:
-        monkeypatch.delenv("MACEQ_NO_JIT", raising=False)
-        assert k_jit.available(), "numba is a dependency: the compiled loops must be available"
-    return request.param
 
 
 # ----------------------------------------------------------------------------- Conv2D
@@ -224,7 +211,7 @@ def test_depthwise_fast_equals_ref_random(loops):
     paths = Counter()
     for i in range(120):
         c, mult = int(rng.integers(1, 9)), int(rng.choice([1, 1, 2, 3]))
-        kh, kw = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        kh, kw = int(rng.integers(1, 4)), int(rng.integers(1, 6))  # kw 3: the compiled loop's own case
         big = i % 17 == 1  # 20x20 taps of extreme weights: X*L1 >= 2^24, float64 accumulators
         if big:
             c, mult, kh, kw = 2, 1, 20, 20
@@ -253,7 +240,7 @@ def test_depthwise_fast_equals_ref_random(loops):
         plan = depthwise_conv2d_plan(wt, bias, **kw_args)
         paths[plan.path(dtype)] += 1
         assert np.array_equal(plan(x), depthwise_conv2d_ref(x, wt, bias, **kw_args)), i
-    assert paths["g32"] >= 50 and paths["g64"] >= 3 and paths["generic"] >= 5, paths
+    assert paths["g32"] >= 50 and paths["g64"] >= 2 and paths["generic"] >= 5, paths
 
 
 # ----------------------------------------------------------------------------- FullyConnected
@@ -281,7 +268,7 @@ def test_fully_connected_fast_equals_ref():
 
 # ----------------------------------------------------------------------------- Eltwise tables
 
-def test_eltwise_tables_equal_ref():
+def test_eltwise_tables_equal_ref(loops):
     """From _LUT_MIN elements eltwise_add looks codes up in per-rule 256x256 tables: NEON body and scalar tail."""
     rng = np.random.default_rng(6)
     for i in range(8):

@@ -135,7 +135,7 @@ def _fused_body(values, scale: float, zp: int) -> list[int]:
     return [_to_u8(float(math.trunc(_rn32(Fraction(float(x)) * recip + Fraction(2 * zp + 1, 2))))) for x in values]
 
 
-def test_quantize_matches_exact_transcription_on_halfway_points():
+def test_quantize_matches_exact_transcription_on_halfway_points(loops):
     total = mismatches = differs_from_round = differs_from_fma = 0
     for scale, zp in SCALES:
         scale = float(np.float32(scale))
@@ -158,7 +158,7 @@ def test_quantize_matches_exact_transcription_on_halfway_points():
     assert differs_from_fma > 100
 
 
-def test_quantize_random_specials_and_saturation():
+def test_quantize_random_specials_and_saturation(loops):
     rng = np.random.default_rng(501)
     specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3e38, -3e38, 1e-45, -1e-45, 1e30], dtype=np.float32)
     for scale, zp in SCALES:
@@ -169,7 +169,7 @@ def test_quantize_random_specials_and_saturation():
         assert np.array_equal(got, quantize_neon_ref(x, scale=scale, zero_point=zp))
 
 
-def test_fast_equals_reference_all_sizes():
+def test_fast_equals_reference_all_sizes(loops):
     rng = np.random.default_rng(502)
     for size in list(range(0, 40)) + [255, 256, 1000]:
         x = rng.normal(0, 3, size).astype(np.float32)
@@ -192,7 +192,7 @@ def test_adjust_range_matches_exact_transcription():
             assert got == want, (lo, hi, non_zero)
 
 
-def test_find_range_and_quantize_end_to_end():
+def test_find_range_and_quantize_end_to_end(loops):
     rng = np.random.default_rng(504)
     x = rng.normal(0.3, 2.0, (1, 28, 28, 1)).astype(np.float32)
     x[0, 3, 4, 0] = np.nan  # skipped by std::max / std::min

@@ -1,0 +1,122 @@
+"""The cpu simulation's threads (runtime/threads.py) and its BLAS binding (runtime/kernels/blas.py).
+
+- A whole quantized MobileNetV2 (pointwise, im2col and depthwise convolutions, Eltwise, the input
+  Quantize) computes every tensor bit for bit the same with 1, 2 and 3 threads, and the same as
+  the numpy paths (MACEQ_NO_JIT=1), which tests/test_fast_paths.py checks against the ``*_ref``
+  kernels.
+- The compiled code's GEMM through numpy's CBLAS equals numpy's matmul on exact integer matrices.
+- MACEQ_NUM_THREADS is validated, and a run leaves BLAS's thread count as it found it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit, prange
+
+from maceq.datasets.images import ImageFolder
+from maceq.datasets.preprocess import PRESETS
+from maceq.errors import MaceqError
+from maceq.quant.config import QuantConfig
+from maceq.quant.pipeline import quantize
+from maceq.runtime import threads
+from maceq.runtime.kernels import blas, jit
+from maceq.runtime.model import load
+
+
+@pytest.fixture(scope="module")
+def mnv2(shared_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mnv2")
+    res = quantize(shared_data / "models" / "mobilenet_v2.onnx", shared_data / "photos" / "calib", output_dir=out,
+                   preprocess=PRESETS["imagenet"], config=QuantConfig(max_images=8), progress=False)
+    images = ImageFolder(shared_data / "photos" / "eval", PRESETS["imagenet"], labels=None, limit=3)
+    return load(res.files.yml), next(images.iter_batches(3)).data
+
+
+def _tensors(model, x, **kw) -> dict:
+    return {name: t.values for name, t in model.run({"input": x}, intermediates=True, **kw).tensors.items()}
+
+
+def test_every_tensor_is_the_same_with_any_number_of_threads(mnv2, monkeypatch):
+    model, x = mnv2
+    assert jit.gemm_available()
+    runs = {n: _tensors(model, x, threads=n) for n in (1, 2, 3)}
+    monkeypatch.setenv("MACEQ_NO_JIT", "1")  # the numpy paths: no numba, no BLAS binding
+    numpy_run = _tensors(model, x)
+    assert len(numpy_run) > 60  # every op output of the 66-op graph
+    for n, run in runs.items():
+        assert run.keys() == numpy_run.keys()
+        bad = [name for name, v in numpy_run.items() if not np.array_equal(run[name], v)]
+        assert not bad, (n, bad[:5])
+
+
+def test_input_quantize_range_is_per_batch(mnv2):
+    """MACE's input Quantize finds its range over the whole batch: the threads must not split it per image."""
+    model, x = mnv2
+    q_name = next(op.outputs[0] for op in model.ops if op.type == "Quantize")
+    batch = model.run({"input": x}, intermediates=True, threads=3).tensors[q_name]
+    lo, hi = float(x.min()), float(x.max())
+    assert batch.qinfo.scale == pytest.approx((hi - min(lo, 0.0)) / 255, rel=1e-6)
+    first = model.run({"input": x[:1]}, intermediates=True, threads=3).tensors[q_name]
+    lo1, hi1 = float(x[:1].min()), float(x[:1].max())
+    assert (lo1, hi1) != (lo, hi)  # the images differ in range, so the check above means something
+    assert first.qinfo.scale == pytest.approx((hi1 - min(lo1, 0.0)) / 255, rel=1e-6)
+
+
+@njit(parallel=True)
+def _blocked_gemm(addr, bits64, a, b, c, blocks):
+    n, k = a.shape
+    step = (n + blocks - 1) // blocks
+    for i in prange(blocks):
+        r0 = i * step
+        m = min(step, n - r0)
+        if m > 0:
+            if bits64:
+                blas.call_gemm64(addr, m, b.shape[1], k, a[r0:], k, b, b.shape[1], c[r0:], b.shape[1])
+            else:
+                blas.call_gemm32(addr, m, b.shape[1], k, a[r0:], k, b, b.shape[1], c[r0:], b.shape[1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_blas_binding_equals_numpy_matmul(dtype):
+    gm = blas.gemm()
+    assert gm is not None and gm.int_bits in (32, 64)
+    rng = np.random.default_rng(11)
+    # integer entries whose products and sums are exact in float32 (K * 127 * 127 < 2^24)
+    a = rng.integers(-127, 128, (301, 37)).astype(dtype)
+    b = rng.integers(-127, 128, (37, 29)).astype(dtype)
+    c = np.full((301, 29), np.nan, dtype)
+    with blas.single_threaded():
+        _blocked_gemm(gm.sgemm if dtype == np.float32 else gm.dgemm, gm.int_bits == 64, a, b, c, 4)
+    assert np.array_equal(c, (a.astype(np.int64) @ b.astype(np.int64)).astype(dtype))
+
+
+def test_thread_settings(monkeypatch):
+    monkeypatch.setenv("MACEQ_NUM_THREADS", "zero")
+    with pytest.raises(MaceqError, match="MACEQ_NUM_THREADS"):
+        threads.default_threads()
+    monkeypatch.setenv("MACEQ_NUM_THREADS", "1")
+    assert threads.default_threads() == 1
+    with pytest.raises(MaceqError):
+        threads.limit(0)
+    threads.limit(1)
+    try:
+        assert threads.current() == 1
+    finally:
+        threads.limit(None)
+
+
+def test_a_run_restores_blas_threads(mnv2):
+    """numpy's BLAS (the one the compiled kernels call) runs on one thread during a run, as before after it."""
+    from threadpoolctl import ThreadpoolController
+
+    model, x = mnv2
+    path = blas.gemm().path
+
+    def numpy_blas_threads() -> int:
+        return next(i["num_threads"] for i in ThreadpoolController().info() if i["filepath"] == path)
+
+    before = numpy_blas_threads()
+    seen = []
+    model.run({"input": x[:1]}, threads=2, before_op=lambda i, op, ins: seen.append(numpy_blas_threads()) and False)
+    assert len(seen) == len(model.ops) and set(seen) == {1}
+    assert numpy_blas_threads() == before
