@@ -70,6 +70,12 @@ def main(argv=None) -> int:
     print(f"calibration: {len(data)} images, {len(names)} tensors observed: {t_cal:.2f} s = "
           f"{len(data) / t_cal:.1f} images/s")
     rng = np.random.default_rng(0)
+    from maceq.runtime import threads
+    from maceq.runtime.kernels import jit
+
+    path = ("compiled, BLAS called from the compiled blocks" if jit.gemm_available()
+            else "compiled requantization, numpy GEMM" if jit.available() else "numpy only (MACEQ_NO_JIT)")
+    print(f"threads: maceq {threads.current()} (MACEQ_NUM_THREADS; kernels: {path}), onnxruntime its default")
     print("median (min) of the repeats; on a shared machine the min is the steadier number")
     print(f"{'batch':>5} {'onnxruntime fp32':>24} {'maceq cpu sim':>24} {'ratio':>15}")
     for batch in (1, 8):
