@@ -9,10 +9,11 @@ element is computed by one block, by the same code, and every GEMM is exact
 - The number: ``MACEQ_NUM_THREADS`` if set, else the CPUs this process may run on (capped by
   numba's own limit, ``NUMBA_NUM_THREADS``). :func:`limit` overrides it for the process;
   parallel calibration's worker processes use ``limit(1)``.
-- :func:`section` wraps one model run: numba's pool gets that many threads, and BLAS is held to
-  one thread (threadpoolctl), because two pools of spinning threads on the same cores were
-  measured 20x slower on a busy machine. Nested and concurrent sections share one BLAS limit,
-  restored when the last one ends.
+- :func:`section` wraps one model run: numba's pool gets that many threads. From the run's first
+  compiled convolution on (:func:`blas_held`) BLAS is held to one thread (threadpoolctl), because
+  the blocks call it themselves and two pools of spinning threads on the same cores were measured
+  20x slower on a busy machine. Nested and concurrent sections share one BLAS limit, restored
+  when the last one ends.
 
 Why numba's pool rather than Python threads: a dispatch to a sleeping Python thread was measured
 at 60-70 us on this project's 2-vCPU machines (waking a halted vCPU, then a GIL hand-off), more
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 
 from maceq.errors import MaceqError
 
-__all__ = ["default_threads", "limit", "current", "section"]
+__all__ = ["default_threads", "limit", "current", "section", "blas_held"]
 
 _LIMIT: int | None = None
 _LOCK = threading.Lock()
@@ -76,13 +77,16 @@ def current() -> int:
 
 @contextmanager
 def section(threads: int | None = None):
-    """One model run: numba's pool sized to ``threads`` (default :func:`current`), BLAS on one thread."""
+    """One model run: numba's pool sized to ``threads`` (default :func:`current`). BLAS is held to one
+    thread from the first compiled convolution of the run (:func:`blas_held`) to the run's end, so
+    runs without one (the gpu and dsp devices' own kernels, which call BLAS from numpy) keep BLAS's
+    threads."""
     global _DEPTH, _BLAS_CTX
     n = current() if threads is None else threads
     if not isinstance(n, int) or n < 1:
         raise MaceqError(f"threads must be a positive integer, got {n!r}")
     n = min(n, _numba_max())
-    from maceq.runtime.kernels import blas, jit
+    from maceq.runtime.kernels import jit
 
     if not jit.available():
         yield n
@@ -92,9 +96,6 @@ def section(threads: int | None = None):
     previous = numba.get_num_threads()
     numba.set_num_threads(n)  # per calling thread in numba
     with _LOCK:
-        if _DEPTH == 0 and blas.gemm() is not None:
-            _BLAS_CTX = blas.single_threaded()
-            _BLAS_CTX.__enter__()
         _DEPTH += 1
     try:
         yield n
@@ -105,3 +106,22 @@ def section(threads: int | None = None):
                 ctx, _BLAS_CTX = _BLAS_CTX, None
                 ctx.__exit__(None, None, None)
         numba.set_num_threads(previous)
+
+
+@contextmanager
+def blas_held():
+    """BLAS on one thread while compiled blocks call it: inside a :func:`section` until the section
+    ends (entered once per run), else for this block only."""
+    global _BLAS_CTX
+    from maceq.runtime.kernels import blas
+
+    with _LOCK:
+        inside = _DEPTH > 0
+        if inside and _BLAS_CTX is None:
+            _BLAS_CTX = blas.single_threaded()
+            _BLAS_CTX.__enter__()
+    if inside:
+        yield
+        return
+    with blas.single_threaded():
+        yield

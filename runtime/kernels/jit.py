@@ -326,23 +326,29 @@ def gemm_available() -> bool:
 def pointwise_conv(x: np.ndarray, x_zp: int, w: np.ndarray, rq, out: np.ndarray) -> None:
     """1x1 stride-1 unpadded convolution, group 1: x [rows, C] integer, w [C, O] offset filter
     (float32/float64, C-contiguous), requantized by ``rq`` (conv.py's _ExactRequant) into out [rows, O]."""
+    from maceq.runtime import threads
+
     gm = blas.gemm()
     rows, c = x.shape
     o = w.shape[1]
-    _pointwise(x, int(x_zp), w, gm.sgemm if w.dtype == np.float32 else gm.dgemm, gm.int_bits == 64,
-               _block_rows(rows, c, o, w.itemsize), rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo),
-               float(rq.hi), _mode(affine=True, correct=rq.correct, lo=rq.lo), out)
+    with threads.blas_held():
+        _pointwise(x, int(x_zp), w, gm.sgemm if w.dtype == np.float32 else gm.dgemm, gm.int_bits == 64,
+                   _block_rows(rows, c, o, w.itemsize), rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo),
+                   float(rq.hi), _mode(affine=True, correct=rq.correct, lo=rq.lo), out)
 
 
 def im2col_conv(x: np.ndarray, x_zp: int, w: np.ndarray, g, rq, out: np.ndarray) -> None:
     """Convolution, group 1, of x [N, H, W, C] (geometry ``g``) with w [KH*KW*C, O] (offset filter in
     window order, float32/float64), requantized by ``rq`` into out [N, OH, OW, O]."""
+    from maceq.runtime import threads
+
     gm = blas.gemm()
     k, o = w.shape
-    _im2col(x, int(x_zp), g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, w,
-            gm.sgemm if w.dtype == np.float32 else gm.dgemm, gm.int_bits == 64,
-            _block_rows(g.n * g.oh * g.ow, k, o, w.itemsize), rq.scale, rq.offset, rq.y_theta, rq.step,
-            float(rq.lo), float(rq.hi), _mode(affine=True, correct=rq.correct, lo=rq.lo), out.reshape(-1, o))
+    with threads.blas_held():
+        _im2col(x, int(x_zp), g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, w,
+                gm.sgemm if w.dtype == np.float32 else gm.dgemm, gm.int_bits == 64,
+                _block_rows(g.n * g.oh * g.ow, k, o, w.itemsize), rq.scale, rq.offset, rq.y_theta, rq.step,
+                float(rq.lo), float(rq.hi), _mode(affine=True, correct=rq.correct, lo=rq.lo), out.reshape(-1, o))
 
 
 def _mode(*, affine: bool, correct: bool, lo: int) -> int:
