@@ -124,16 +124,42 @@ class Model:
         boundary transfers between the two.
         """
         profile = get_profile(device)
+        out = {}
+        for op, kernel, params in self.probe(profile):
+            out[op.name] = _placement_of(op, kernel, params, profile.device)
+        return out
+
+    def probe(self, profile: DeviceProfile) -> list[tuple]:
+        """(op, kernel, params) of every op, prepared by one run on a deterministic probe input."""
         probe = {}
         for n in self.input_names:  # a deterministic ramp: a constant input gives some kernels an empty range
             shape = (1,) + tuple(self.input_shape(n)[1:])
             probe[n] = np.linspace(-1.0, 1.0, int(np.prod(shape)), dtype=np.float32).reshape(shape)
-        self.run(probe, device=device)
+        self.run(probe, device=profile.device.value)
+        return [(op, self._kernel(op, profile),
+                 next((p for k, p in self._prepared.items() if k[0] is profile.device and k[1] == idx), None))
+                for idx, op in enumerate(self.ops)]
+
+    def deviations(self, device: str) -> dict[str, str]:
+        """Op name -> how the device's result departs from the convolution the model means.
+
+        Only ops whose device path computes something else are listed (today: uint8 3x3 depthwise
+        convolutions that take TFLite's aarch64 fast path with a wrong border, see
+        runtime/kernels/dw3x3_arm.py). The simulation computes what the device computes either way;
+        this says where that differs from the model's meaning. Found from one probe run, like
+        :meth:`placement`; an op whose requantization depends on the input's range is judged on it.
+        """
+        shapes = {i.name: tuple(int(d) for d in i.dims) for i in self.net_def.input_info}
+        shapes.update({name: tuple(a.shape) for name, a in self.consts.items()})
+        for op in self.ops:
+            shapes.update(zip(op.outputs, op.output_shapes))
         out = {}
-        for idx, op in enumerate(self.ops):
-            kernel = self._kernel(op, profile)
-            params = next((p for k, p in self._prepared.items() if k[0] is profile.device and k[1] == idx), None)
-            out[op.name] = _placement_of(op, kernel, params, profile.device)
+        for op, kernel, params in self.probe(get_profile(device)):
+            note = getattr(kernel, "deviation", None)
+            if note is not None and params is not None:
+                why = note(params, [shapes.get(i) for i in op.inputs])
+                if why:
+                    out[op.name] = why
         return out
 
     @property

@@ -17,6 +17,7 @@ from maceq.runtime import fixedpoint as fp
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernels import concat as k_concat
 from maceq.runtime.kernels import conv as k_conv
+from maceq.runtime.kernels import dw3x3_arm as k_dw3
 from maceq.runtime.kernels import eltwise as k_eltwise
 from maceq.runtime.kernels import pooling as k_pool
 from maceq.runtime.kernels import quantize as k_quant
@@ -83,6 +84,8 @@ class ConvParams:
     weights: str
     bias: tuple[int, ...] | None
     out_scale_bits: int
+    #: uint8 depthwise on MACE's ARM CPU: the TFLite 3x3 fast path runs where it is supported.
+    fast3x3: bool = False
 
     @property
     def out_q(self) -> QInfo:
@@ -114,6 +117,9 @@ class _ConvBase:
     def requant_rule(self, op: RtOp, prof) -> Requant:
         return prof.conv_requant
 
+    def fast3x3(self, prof, requant: Requant) -> bool:
+        return False
+
     def rescales_bias(self, prof) -> bool:
         return prof.conv_rescales_bias
 
@@ -142,7 +148,7 @@ class _ConvBase:
         params = ConvParams(xq.zero_point, wq.zero_point, out_q.zero_point, mult, shift, mbits, requant.value,
                             tuple(op.arg("strides", [1, 1])), _pads(op), tuple(op.arg("dilations", [1, 1])),
                             int(op.arg("group", 1)), act_min, act_max, op.inputs[1], bias,
-                            _f32_bits(out_q.scale))
+                            _f32_bits(out_q.scale), self.fast3x3(prof, requant))
         w = ctx.consts.get(op.inputs[1])
         if w is not None:
             self._plan(params, w)
@@ -172,18 +178,55 @@ class DepthwiseConv2d(_ConvBase):
             return prof.dilated_depthwise_requant
         return prof.depthwise_requant
 
+    def fast3x3(self, prof, requant: Requant) -> bool:
+        return prof.depthwise_3x3_fast_path and requant is Requant.GEMMLOWP
+
     def _make_plan(self, p: ConvParams, w):
         if p.requant == Requant.GEMMLOWP.value:
             fixed = dict(multiplier=p.multiplier, shift=p.shift)
         else:
             fixed = dict(float_multiplier=_bits_f32(p.multiplier_f32_bits),
                          float_rounding=_FLOAT_ROUNDING[Requant(p.requant)])
-        return k_conv.depthwise_conv2d_plan(w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
+        plan = k_conv.depthwise_conv2d_plan(w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
                                             strides=p.strides, pads=p.pads, dilations=p.dilations,
                                             act_min=p.act_min, act_max=p.act_max, **fixed)
+        edges = None
+        if p.fast3x3 and w.shape[:2] == (3, 3) and w.shape[3] == 1:
+            edges = k_dw3.Fast3x3Edges(w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
+                                       multiplier=p.multiplier, shift=p.shift)
+        return plan, edges
+
+    @staticmethod
+    def fast3x3_shape(p: ConvParams, w_shape, x_shape) -> "k_dw3.Fast3x3Shape | None":
+        """The fast path's geometry for inputs of ``x_shape`` (NHWC), or None where MACE runs the generic kernel."""
+        if not p.fast3x3:
+            return None
+        _, h, wd, c = x_shape
+        kh, kw, _, mult = w_shape
+        top, left, bottom, right = p.pads
+        oh = k_conv.conv_output_size(h, kh, stride=p.strides[0], dilation=1, pad_before=top, pad_after=bottom)
+        ow = k_conv.conv_output_size(wd, kw, stride=p.strides[1], dilation=1, pad_before=left, pad_after=right)
+        ok = k_dw3.fast3x3_supported(in_h=h, in_w=wd, in_c=c, kh=kh, kw=kw, depth_multiplier=mult,
+                                     stride_h=p.strides[0], stride_w=p.strides[1], pad_h=top, pad_w=left,
+                                     dilated=any(d != 1 for d in p.dilations), out_h=oh, out_w=ow,
+                                     right_shift=-p.shift)
+        return k_dw3.Fast3x3Shape(h, wd, c, p.strides[0], top, oh, ow) if ok else None
+
+    def deviation(self, p: ConvParams, in_shapes) -> str | None:
+        """Why the device's result departs from the model's convolution for inputs of ``in_shapes``, or None."""
+        if not p.fast3x3 or in_shapes[0] is None or in_shapes[1] is None or len(in_shapes[0]) != 4:
+            return None
+        s = self.fast3x3_shape(p, in_shapes[1], in_shapes[0])
+        return None if s is None else k_dw3.border_defect(s)
 
     def run(self, p: ConvParams, inputs):
-        y = self._plan(p, inputs[1].values)(inputs[0].values)
+        x, w = inputs[0].values, inputs[1].values
+        plan, edges = self._plan(p, w)
+        y = plan(x)
+        if edges is not None:
+            s = self.fast3x3_shape(p, w.shape, x.shape)
+            if s is not None:
+                edges(x, y, s)
         return [_out_tensor(y, p.out_q)]
 
 

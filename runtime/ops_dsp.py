@@ -91,6 +91,13 @@ class _Fallback:
     def _run_cpu(self, p, inputs):
         return self._cpu.run(p.cpu, inputs)
 
+    def deviation(self, p, in_shapes) -> str | None:
+        """The cpu kernel's deviation note when the op falls back to it (see ops.DepthwiseConv2d)."""
+        note = getattr(self._cpu, "deviation", None)
+        if p.on_dsp or note is None:
+            return None
+        return note(p.cpu, in_shapes)
+
 
 class _DspConv(_Fallback):
     depthwise = False

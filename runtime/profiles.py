@@ -76,6 +76,10 @@ class DeviceProfile:
     #: How float tensors between float ops are stored: "float32", or "float16" (MACE's GPU fp16_fp32 mode:
     #: compute in float32, store half).
     float_storage: str = "float32"
+    #: uint8 DepthwiseConv2d takes TFLite's aarch64 3x3 fast path where ``Fast3x3FilterKernelSupported``
+    #: holds, with its border outputs (runtime/kernels/dw3x3_arm.py). True where the op runs on MACE's
+    #: ARM CPU runtime (the cpu device, and the dsp device's cpu fallback).
+    depthwise_3x3_fast_path: bool = False
 
 
 CPU = DeviceProfile(
@@ -91,6 +95,7 @@ CPU = DeviceProfile(
     conv_rescales_bias=True,
     find_range_every_time=True,
     honours_activation_args=False,
+    depthwise_3x3_fast_path=True,
 )
 
 GPU = DeviceProfile(
@@ -125,6 +130,7 @@ DSP = DeviceProfile(
     find_range_every_time=True,
     honours_activation_args=False,
     supernode_variant="d32",
+    depthwise_3x3_fast_path=True,
 )
 
 PROFILES: dict[Device, DeviceProfile] = {Device.CPU: CPU, Device.GPU: GPU, Device.DSP: DSP}
