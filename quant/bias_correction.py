@@ -284,6 +284,8 @@ def correct_biases(cal, *, device: str, data, fp32_nodes: frozenset[str] = froze
     bar = tqdm(total=len(by_op), desc=f"bias correction ({device})", unit="layer", leave=False,
                disable=not progress or not sys.stderr.isatty())
 
+    crops = {p.outputs[0]: tuple(p.arg("paddings")[2:6]) for p in model.ops if p.type == "Pad"}
+
     def before_op(idx, op, ins) -> bool:
         lay = by_op.get(idx)
         if lay is None:
@@ -291,6 +293,9 @@ def correct_biases(cal, *, device: str, data, fp32_nodes: frozenset[str] = froze
         bar.update(1)
         xq = ins[0]
         v = np.asarray(xq.dequantize() if xq.qinfo is not None else xq.values, dtype=np.float64)
+        if op.inputs[0] in crops:  # a safe form's explicit Pad: measure on the layer's own input
+            t, b, lft, r = crops[op.inputs[0]]
+            v = v[:, t:v.shape[1] - b, lft:v.shape[2] - r, :]
         if v.ndim == 4:
             v = v.transpose(0, 3, 1, 2)  # NHWC -> NCHW, the IR's layout
         shape = cal.shapes[lay.x]

@@ -9,7 +9,8 @@ QuantizeActivationInfo on every op.
 
 Every op type emitted here is one that MACE's CPU runtime registers a uint8
 kernel for (Conv2D, DepthwiseConv2d, FullyConnected, Eltwise SUM/SUB, Pooling,
-Reduce mean, Concat, Softmax, Quantize, Dequantize).
+Reduce mean, Concat, Softmax, Quantize, Dequantize; quant/safe_forms.py adds
+uint8 Pad).
 """
 from __future__ import annotations
 

@@ -165,6 +165,10 @@ def _quantize(argv) -> int:
     g.add_argument("--max-fp32-layers", type=int, metavar="N", help="cap on the layers the search may exempt")
     p.add_argument("--strict", action="store_true",
                    help="fail instead of running ops without a uint8 kernel in float32 (float fallback)")
+    p.add_argument("--safe-forms", action=argparse.BooleanOptionalAction, default=None,
+                   help="rewrite ops that the device computes differently from the model into an equivalent form "
+                        "it computes right (default on; --no-safe-forms keeps the original form, and the "
+                        "simulation then predicts the device's deviating result)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     _add_preprocess_args(p)
     args = p.parse_args(argv)
@@ -194,7 +198,7 @@ def _quantize(argv) -> int:
         raise MaceqError("--bias-correction-images must be >= 1")
     config = config.with_cli(cle=args.cle, high_bias_absorption=args.high_bias_absorption,
                              bias_correction=args.bias_correction,
-                             bias_correction_images=args.bias_correction_images)
+                             bias_correction_images=args.bias_correction_images, safe_forms=args.safe_forms)
     config = config.with_recipe(args.recipe)
     if args.fp32:
         config = config.with_cli(fp32_layers=tuple(config.fp32_layers) + tuple(args.fp32))
@@ -226,6 +230,7 @@ def _quantize(argv) -> int:
         for step in steps:
             print(f"  {step['step']}" + (f" [{device}]" if step["step"] == "bias correction" else "")
                   + f": {step['detail']}")
+    _print_device_forms(res)
     kept = set(res.fp32)
     if kept:
         print(f"{len(kept)} layers kept in float32 by request: " + ", ".join(sorted(kept)[:8])
@@ -250,6 +255,21 @@ def _quantize(argv) -> int:
     elif args.budget:
         raise MaceqError("--budget needs --eval-dir (the images the report measures)")
     return status
+
+
+def _print_device_forms(res) -> None:
+    """Say which ops were rewritten for their device (and what it costs), or which were kept deviating."""
+    for device, info in res.device_forms.items():
+        forms, deviating = info.get("safe_forms") or [], info.get("deviations") or {}
+        if forms:
+            print(f"  [{device}] {len(forms)} op(s) rewritten into a form the device computes right: "
+                  + ", ".join(f["op"] for f in forms[:4]) + (" ..." if len(forms) > 4 else ""))
+            print(f"    why: {forms[0]['reason']}")
+            print(f"    cost: {info['safe_form_cost']}")
+        if deviating:
+            print(f"  [{device}] warning: {len(deviating)} op(s) kept in a form the device computes differently "
+                  f"from the model (--no-safe-forms); the simulation predicts the device: "
+                  + ", ".join(list(deviating)[:4]) + (" ..." if len(deviating) > 4 else ""))
 
 
 def _write_report(per_device, data, out, graph, evals, args, mixed=None) -> int:

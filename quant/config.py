@@ -19,6 +19,7 @@ Example::
     workers: 4                    # calibration shards and mixed-precision evaluations in parallel
     executor: local               # local (processes) | ray (pip install 'maceq[ray]'); docs/parallel.md
     # ray_address: "head:6379"    # with executor: ray (default: RAY_ADDRESS, else a local Ray)
+    safe_forms: true              # rewrite ops the device computes wrongly into a form it gets right
 
 Every key is validated; an unknown key is an error that names it. Precedence, lowest first:
 the defaults, the recipe, the keys written in the file, the command-line flags.
@@ -38,7 +39,7 @@ from maceq.yamlio import one_line, read_yaml
 RECOVERY_KEYS = {"cle", "high_bias_absorption", "bias_correction", "bias_correction_images"}
 PARALLEL_KEYS = {"workers", "executor", "ray_address"}
 TOP_KEYS = {"range_method", "percentile", "batch_size", "max_images", "preprocess", "layers", "fp32_layers",
-            "recipe"} | RECOVERY_KEYS | PARALLEL_KEYS
+            "recipe", "safe_forms"} | RECOVERY_KEYS | PARALLEL_KEYS
 LAYER_KEYS = {"range_method", "percentile"}
 
 
@@ -72,6 +73,9 @@ class QuantConfig:
     workers: int = 1
     executor: Executor = Executor.LOCAL
     ray_address: str | None = None
+    #: Rewrite ops whose device path departs from the model's meaning into an equivalent form the
+    #: device computes right (quant/safe_forms.py); False keeps the original form.
+    safe_forms: bool = True
     #: The keys set explicitly (config file or command line): a recipe does not override them.
     explicit: frozenset = field(default_factory=frozenset, compare=False)
 
@@ -184,7 +188,7 @@ def config_from_dict(d: Any, *, source: str = "config") -> QuantConfig:
                                     _method(spec["range_method"], where) if "range_method" in spec else None,
                                     _percentile(spec["percentile"], where) if "percentile" in spec else None))
     kw["layers"] = tuple(layers)
-    for key in ("cle", "high_bias_absorption", "bias_correction"):
+    for key in ("cle", "high_bias_absorption", "bias_correction", "safe_forms"):
         if key in d:
             if not isinstance(d[key], bool):
                 raise MaceqError(f"{source}: {key} must be true or false, got {d[key]!r}")

@@ -16,6 +16,7 @@ from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import Preprocess
 from maceq.errors import MaceqError
 from maceq.quant.build import build_mace_model, check_supported, select_nodes
+from maceq.quant.safe_forms import find_defects, in_memory_model, make_safe
 from maceq.quant.config import QuantConfig
 from maceq.quant.ir import Graph
 from maceq.quant.mace.format import write_model
@@ -36,6 +37,7 @@ class QuantizeResult:
     fp32: frozenset = frozenset()  # nodes kept in float32 by request
     per_device: dict = field(default_factory=dict)  # device -> ModelFiles
     recovery: dict = field(default_factory=dict)  # device -> accuracy-recovery steps applied
+    device_forms: dict = field(default_factory=dict)  # device -> {"safe_forms": [...], ...} (see _device_forms)
 
 
 def tensors_to_calibrate(graph: Graph) -> list[str]:
@@ -277,10 +279,11 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
         "output_shapes": [",".join(map(str, out_shape[o])) for o in opt.outputs],
         "output_data_formats": ["NCHW" if len(out_shape[o]) == 4 else "NONE" for o in opt.outputs],
     }
-    per_device = {}
+    per_device, device_forms = {}, {}
     for device in devices:
         g_dev = cal.graph_for(device, fp32)
         built = build_mace_model(g_dev, ranges, shapes, model_name=name, strict=strict, fp32=fp32, device=device)
+        forms_meta = device_forms[device] = _device_forms(built, device, safe=config.safe_forms)
         out_dir = Path(output_dir) if len(devices) == 1 else Path(output_dir) / device
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -290,11 +293,25 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
             out_dir, name, built.multi_net_def, built.arrays,
             deployment={"platform": "onnx", "runtime": MACE_RUNTIME[device], "subgraphs": [subgraph]},
             ranges=built.ranges, maceq={**meta, "device": device, "tensor_map": built.tensor_map,
-                                        "recovery": list(cal.recovery) + list(cal.device_recovery.get(device, []))})
+                                        "recovery": list(cal.recovery) + list(cal.device_recovery.get(device, [])),
+                                        **forms_meta})
     result = QuantizeResult(per_device[devices[0]], opt, placement, n_images, cal.n_skipped, name, frozenset(fp32))
     result.per_device = per_device
+    result.device_forms = device_forms
     result.recovery = {d: list(cal.recovery) + list(cal.device_recovery.get(d, [])) for d in devices}
     return result
+
+
+def _device_forms(built, device: str, *, safe: bool) -> dict:
+    """Rewrite the ops ``device`` computes wrongly (``safe``), or list them; the .yml's record of either."""
+    if safe:
+        forms, cost = make_safe(built, device)
+        if not forms:
+            return {}
+        return {"safe_forms": [{"op": f.op, "reason": f.reason, "pad_op": f.pad_op} for f in forms],
+                "safe_form_cost": cost.describe()}
+    deviating = find_defects(in_memory_model(built.multi_net_def, built.arrays, device), device)
+    return {"deviations": deviating} if deviating else {}
 
 
 #: The deployment yml's ``runtime`` key for each device (MACE's names).

@@ -311,6 +311,25 @@ def quantize_input(run_op, producer: RtOp | None, name: str, x_dev: np.ndarray) 
     return run_op(q, [QTensor(x_dev, None)])[0]
 
 
+def _through_pads(name: str, tmap, producer_op, float_tensors) -> tuple[str, str, tuple]:
+    """(MACE tensor, source-graph tensor, Pad ops to apply) for a layer input.
+
+    A safe form's explicit Pad (quant/safe_forms.py) makes a tensor the float graph does not have:
+    the input is then its Pad's input, padded again on the device after quantizing.
+    """
+    pads = []
+    while tmap.get(name, name) not in float_tensors and name in producer_op and producer_op[name].type == "Pad":
+        pads.append(producer_op[name])
+        name = producer_op[name].inputs[0]
+    return name, tmap.get(name, name), tuple(reversed(pads))
+
+
+def _padded(run_op, pads: tuple, t: QTensor) -> QTensor:
+    for op in pads:
+        t = run_op(op, [t])[0]
+    return t
+
+
 # ------------------------------------------------------------------------------------------------
 # The engine
 # ------------------------------------------------------------------------------------------------
@@ -338,8 +357,10 @@ def analyze_layers(model: Model, float_model, data: ImageFolder, *, device: str 
     tmap = model.tensor_map
     producer_op = {o: op for op in model.ops for o in op.outputs}
     consts = set(model.consts)
-    # Per layer input: (MACE name, source-graph name), or None for a constant (run_op looks it up).
-    in_names = {L.index: [None if i in consts else (i, tmap.get(i, i)) for i in L.op.inputs] for L in layers}
+    # Per layer input: (MACE name, source-graph name, Pad ops between them), or None for a constant
+    # (run_op looks it up).
+    in_names = {L.index: [None if i in consts else _through_pads(i, tmap, producer_op, ref.producers)
+                          for i in L.op.inputs] for L in layers}
     need = [L.tensor for L in layers]
     if Mode.ISOLATED in modes:
         need += [e[1] for L in layers for e in in_names[L.index] if e is not None]
@@ -364,7 +385,8 @@ def analyze_layers(model: Model, float_model, data: ImageFolder, *, device: str 
             if iso is not None:
                 for L in layers:
                     ins = [None if e is None else
-                           quantize_input(run_op, producer_op.get(e[0]), e[0], to_device_layout(floats[e[1]][k:k + 1]))
+                           _padded(run_op, e[2], quantize_input(run_op, producer_op.get(e[0]), e[0],
+                                                                to_device_layout(floats[e[1]][k:k + 1])))
                            for e in in_names[L.index]]
                     y = run_op(L.op, ins)[0]
                     f = floats[L.tensor][k:k + 1]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import onnxruntime as ort
@@ -29,6 +29,11 @@ class EvalResult:
     float_top1_in_int8_top5: float
     float_accuracy: float | None = None
     int8_accuracy: float | None = None
+    #: Ops that run on a device path computing something other than the model means (op -> why); the
+    #: int8 figures are what the device computes, these included.
+    deviations: dict = field(default_factory=dict)
+    #: Ops the writer rewrote into a form the device computes right (from the model's .yml).
+    safe_forms: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -41,7 +46,21 @@ class EvalResult:
             out += [f"  float accuracy:                 {100 * self.float_accuracy:6.2f}%",
                     f"  int8 accuracy:                  {100 * self.int8_accuracy:6.2f}%",
                     f"  accuracy drop:                  {100 * (self.float_accuracy - self.int8_accuracy):6.2f} points"]
-        return out
+        return out + device_path_lines(self.deviations, self.safe_forms)
+
+
+def device_path_lines(deviations: dict, safe_forms: list) -> list[str]:
+    """What to tell a user about ops whose device path departs from the model, and about safe forms."""
+    out = []
+    if deviations:
+        name, why = next(iter(deviations.items()))
+        out.append(f"  warning: {len(deviations)} op(s) run on a device path that computes something other than "
+                   f"the model means; the figures above are what the device computes ({name}: {why}"
+                   + (", ..." if len(deviations) > 1 else "") + ")")
+    if safe_forms:
+        out.append(f"  {len(safe_forms)} op(s) were rewritten into a form the device computes right "
+                   f"(explicit Pad before the depthwise convolution)")
+    return out
 
 
 @dataclass
@@ -144,4 +163,6 @@ def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *,
     if n == 0:
         raise MaceqError(f"{data.root}: no readable image to evaluate")
     return EvalResult(device, n, data.skipped, agree / n, top5 / n,
-                      f_correct / n if have_labels else None, q_correct / n if have_labels else None)
+                      f_correct / n if have_labels else None, q_correct / n if have_labels else None,
+                      deviations=model.deviations(device),
+                      safe_forms=list(model.maceq_meta.get("safe_forms") or []))

@@ -288,6 +288,14 @@ def _eval_summary(ev) -> dict:
             "int8_accuracy": ev.int8_accuracy, "accuracy_drop_points": drop}
 
 
+def _device_paths(model, device: str) -> dict:
+    """Ops computed differently from the model's meaning on ``device``, and the safe forms written instead."""
+    meta = model.maceq_meta
+    return {"deviations": [{"op": op, "reason": why} for op, why in model.deviations(device).items()],
+            "safe_forms": [{"op": f["op"], "reason": f["reason"]} for f in meta.get("safe_forms") or []],
+            "safe_form_cost": meta.get("safe_form_cost")}
+
+
 def _first_images(images, n: int) -> np.ndarray:
     got = []
     for batch in images.iter_batches(min(n, 8)):
@@ -376,6 +384,7 @@ def build_report(models: Mapping[str, Any], *, float_model, evals: Mapping[str, 
         "mixed_precision": {d: _mixed_section(models[d], mixed.get(d)) for d in devices},
         "recovery": [dict(r) for r in recovery] + list(meta.get("recovery") or []),
         "placement": placement,
+        "device_paths": {d: _device_paths(models[d], d) for d in devices},
         "budget": None,
     }
     if budget is not None:

@@ -426,6 +426,40 @@ class Quantize:
 
 
 @dataclass(frozen=True)
+class PadParams:
+    paddings: tuple[int, ...]  # NHWC: (before, after) per dim
+    fill: int  # the constant's code
+
+
+@register("Pad")
+class Pad:
+    """uint8 Pad (mace/ops/pad.cc, ``PadOp<RT_CPU, uint8_t>``): NHWC paddings, CONSTANT mode.
+
+    The fill code is ``Quantize<uint8_t>(constant_value, scale, zp)`` =
+    ``Saturate(roundf(f32(f32(value / scale) + zp)))``; the output keeps the input's scale and zero point.
+    """
+
+    def prepare(self, op: RtOp, in_q, ctx) -> PadParams:
+        q = _require_q(op, in_q[0], "input")
+        pads = tuple(int(v) for v in op.require("paddings"))
+        if len(pads) != 8 or min(pads) < 0:
+            raise MaceqError(f"op '{op.name}': uint8 Pad needs 8 non-negative paddings, got {list(pads)}")
+        if int(op.arg("pad_type", 0)) != 0:
+            raise MaceqError(f"op '{op.name}': only CONSTANT uint8 Pad (pad_type 0) is implemented")
+        v = np.float32(op.arg("constant_value", 0.0))
+        code = fp.round_half_away(np.float32(np.float32(v / np.float32(q.scale)) + np.float32(q.zero_point)))
+        return PadParams(pads, int(np.clip(code, 0, 255)))
+
+    def run(self, p: PadParams, inputs):
+        x = inputs[0].values
+        if x.ndim != 4:
+            raise MaceqError(f"uint8 Pad: input must be 4-D NHWC, got shape {x.shape}")
+        pairs = [(p.paddings[2 * i], p.paddings[2 * i + 1]) for i in range(4)]
+        y = np.pad(x, pairs, mode="constant", constant_values=np.uint8(p.fill))
+        return [_out_tensor(y, inputs[0].qinfo)]
+
+
+@dataclass(frozen=True)
 class DequantizeParams:
     pass
 

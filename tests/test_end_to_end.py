@@ -25,13 +25,29 @@ def _fmnist_test(shared_data):
 
 
 def test_reference_model_from_maces_converter_runs(shared_data):
-    """MACE's own uint8 model loads and runs; MACE's runtime agreed with float on 992/1000 images."""
+    """MACE's own uint8 model loads and runs; its 3x3 stride-2 depthwise ops take the device's deviating path.
+
+    The agreement with float that eval reports is the device's: on the 100 images whose stock-MACE
+    outputs are stored (mace_arm/models/fmnist_q8_mace_converter), it equals the agreement of
+    MACE's own logits with onnxruntime's.
+    """
     model = load(shared_data / "mace_reference" / "fmnist_q8.pb")
     res = evaluate(model, shared_data / "models" / "fmnist_mobilenet.onnx", _fmnist_test(shared_data),
                    progress=False)
     assert res.images == 1000
-    assert res.top1_agreement >= 0.985
-    assert abs(res.float_accuracy - res.int8_accuracy) <= 0.01
+    assert abs(res.float_accuracy - res.int8_accuracy) <= 0.03
+    dw = [op.name for op in model.ops if op.type == "DepthwiseConv2d" and op.arg("strides") == [2, 2]]
+    assert dw and sorted(res.deviations) == sorted(dw)
+    assert any("deviating" in line or "something other than the model means" in line for line in res.lines())
+
+    golden = shared_data / "mace_arm" / "models" / "fmnist_q8_mace_converter"
+    x, mace = np.load(golden / "inputs.npy"), np.load(golden / "mace_outputs.npy")
+    sess = ort.InferenceSession(str(shared_data / "models" / "fmnist_mobilenet.onnx"),
+                                providers=["CPUExecutionProvider"])
+    f_top = sess.run(None, {sess.get_inputs()[0].name: x})[0].reshape(len(x), -1).argmax(1)
+    sim_top = np.array([model.run({"input": x[i:i + 1]}, device="cpu")[model.output_names[0]].argmax()
+                        for i in range(len(x))])
+    assert int((sim_top == f_top).sum()) == int((mace.reshape(len(x), -1).argmax(1) == f_top).sum())
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +80,10 @@ def test_written_files_follow_mace_conventions(fmnist_q):
     assert all("@@" in line for line in lines) and lines[0].startswith("input@@")
     model = load(files.pb)
     types = sorted({op.type for op in model.ops})
-    assert types == ["Conv2D", "DepthwiseConv2d", "Dequantize", "Eltwise", "FullyConnected", "Quantize", "Reduce"]
+    # Pad: the safe form of the stride-2 depthwise ops on even inputs (uint8, MACE's CPU registers it)
+    assert types == ["Conv2D", "DepthwiseConv2d", "Dequantize", "Eltwise", "FullyConnected", "Pad", "Quantize",
+                     "Reduce"]
+    assert all(op.arg("T") == 2 for op in model.ops if op.type == "Pad")
     args = {a.name: a.i for a in model.net_def.arg}
     assert args["quantize_flag"] == 1
     for op in model.ops:

@@ -1,0 +1,224 @@
+"""Rewrite ops that the device computes wrongly into an equivalent form it computes right.
+
+The one case known today (docs/semantics.md, "the 3x3 fast path"): a uint8 3x3 depthwise
+convolution with padding 1 that takes TFLite's aarch64 fast path on MACE's CPU runtime while
+its last window does not hang one position past the input (stride 2 on an even size). The
+device then computes the last output row and column from a shifted or truncated window.
+
+The safe form is an explicit uint8 ``Pad`` (MACE registers one for the CPU with quantization on,
+mace/ops/pad.cc: CONSTANT mode, NHWC ``paddings``, the fill code ``Quantize<uint8_t>(0.0f)`` =
+the input's zero point, output scale and zero point = the input's) followed by the same
+depthwise convolution with ``padding_values`` [0, 0]. With no padding the fast path's
+windows all lie inside the input and every output is the model's convolution. The function is
+the same; the cost is one copy of the padded input per rewritten op (counted in
+:class:`SafeFormCost`).
+
+Which ops to rewrite is decided by the runtime itself (``Model.deviations``) on the built
+model, so the writer and the simulation cannot disagree; an op whose input range is found per
+image (fed by the input Quantize) is judged for any multiplier.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from maceq.errors import MaceqError
+from maceq.quant.mace import mace_pb2
+from maceq.quant.mace.format import LoadedModel, add_arg, get_arg
+from maceq.runtime.model import Model
+from maceq.runtime.profiles import get_profile
+
+PAD_SUFFIX = "__maceq_pad"
+
+
+@dataclass(frozen=True)
+class SafeForm:
+    """One rewritten op: why, and what the rewrite adds."""
+
+    op: str
+    reason: str
+    pad_op: str
+    padded_shape: tuple[int, ...]  # NHWC, per image with the model's batch
+
+    @property
+    def added_bytes(self) -> int:
+        """Bytes the Pad op writes per run (uint8 NHWC)."""
+        return int(np.prod(self.padded_shape))
+
+
+@dataclass(frozen=True)
+class SafeFormCost:
+    """What the rewrites cost, counted on the model: ops, MACs and bytes written per run."""
+
+    ops_before: int
+    ops_after: int
+    macs: int
+    activation_bytes_before: int
+    pad_bytes: int
+
+    @property
+    def byte_increase(self) -> float:
+        """Extra activation bytes written per run, as a fraction of what the model writes without them."""
+        return self.pad_bytes / self.activation_bytes_before if self.activation_bytes_before else 0.0
+
+    def describe(self) -> str:
+        return (f"+{self.ops_after - self.ops_before} Pad op(s) ({self.ops_before} -> {self.ops_after} ops), MACs "
+                f"unchanged ({self.macs:,}), +{self.pad_bytes:,} bytes copied per run "
+                f"(+{100 * self.byte_increase:.1f}% of the activation bytes the model writes)")
+
+
+def _find_range_inputs(net) -> set[str]:
+    """Tensors made by a Quantize op that finds its range on every run (the input's range is per image)."""
+    return {op.output[0] for op in net.op
+            if op.type == "Quantize" and int(get_arg(op, "find_range_every_time", 0) or 0)}
+
+
+def find_defects(model: Model, device: str) -> dict[str, str]:
+    """Op name -> reason, for ops whose result on ``device`` departs from the model's meaning.
+
+    Ops fed by a per-image input range are judged as if their multiplier allowed the fast path
+    (below 0.5), since some image may give one.
+    """
+    per_image = _find_range_inputs(model.net_def)
+    found = dict(model.deviations(device))
+    for op, kernel, params in model.probe(get_profile(device)):
+        if op.name in found or not op.inputs or op.inputs[0] not in per_image or not hasattr(kernel, "deviation"):
+            continue
+        p = getattr(params, "cpu", params) if getattr(params, "on_dsp", False) is False else None
+        if p is None or not hasattr(p, "shift"):
+            continue
+        forced = dataclasses.replace(p, shift=min(p.shift, -1))
+        if hasattr(params, "cpu"):
+            forced = dataclasses.replace(params, cpu=forced)
+        shapes = [_shape_of(model, t) for t in op.inputs]
+        why = kernel.deviation(forced, shapes)
+        if why:
+            found[op.name] = why + " (for images whose input range gives a requantization multiplier below 0.5)"
+    return found
+
+
+def _shape_of(model: Model, tensor: str):
+    for op in model.ops:
+        if tensor in op.outputs:
+            return op.output_shapes[op.outputs.index(tensor)]
+    if tensor in model.consts:
+        return tuple(model.consts[tensor].shape)
+    info = model.input_info.get(tensor)
+    return tuple(int(d) for d in info.dims) if info is not None else None
+
+
+def _producer_qinfo(net, tensor: str):
+    for op in net.op:
+        if tensor in op.output and op.quantize_info:
+            return op.quantize_info[list(op.output).index(tensor) if len(op.quantize_info) > 1 else 0]
+    return None
+
+
+def _pad_op(net, dw, in_shape) -> tuple[object, tuple[int, ...]]:
+    """A uint8 CONSTANT Pad of the depthwise op's input by its own padding, and the padded shape."""
+    ph, pw = (list(get_arg(dw, "padding_values", [0, 0])) + [0, 0])[:2]
+    top, left = ph >> 1, pw >> 1
+    bottom, right = ph - top, pw - left
+    n, h, w, c = in_shape
+    padded = (n, h + top + bottom, w + left + right, c)
+    pad = mace_pb2.OperatorDef()
+    pad.name = dw.name + PAD_SUFFIX
+    pad.type = "Pad"
+    pad.input.append(dw.input[0])
+    pad.output.append(dw.input[0] + PAD_SUFFIX + "_" + dw.name)
+    add_arg(pad, "T", mace_pb2.DT_UINT8)
+    for a in dw.arg:
+        if a.name in ("framework_type", "data_format"):
+            pad.arg.add().CopyFrom(a)
+    add_arg(pad, "paddings", [0, 0, top, bottom, left, right, 0, 0])
+    add_arg(pad, "pad_type", 0)
+    add_arg(pad, "constant_value", 0.0)
+    pad.output_shape.add().dims.extend(padded)
+    qi = _producer_qinfo(net, dw.input[0])
+    if qi is not None:
+        pad.quantize_info.add().CopyFrom(qi)
+    return pad, padded
+
+
+def apply_safe_forms(net, defects: dict[str, str], shape_of) -> list[SafeForm]:
+    """Rewrite each op named in ``defects`` in ``net`` (in place): Pad, then the op with no padding.
+
+    ``shape_of(tensor)`` gives an op input's NHWC shape.
+    """
+    ops = list(net.op)
+    out, done = [], []
+    for op in ops:
+        if op.name in defects:
+            if op.type != "DepthwiseConv2d":
+                raise MaceqError(f"op '{op.name}' ({op.type}): no safe form is known for this op type")
+            in_shape = shape_of(op.input[0])
+            if in_shape is None or len(in_shape) != 4:
+                raise MaceqError(f"op '{op.name}': the shape of its input '{op.input[0]}' is unknown")
+            pad, padded = _pad_op(net, op, in_shape)
+            new = mace_pb2.OperatorDef()
+            new.CopyFrom(op)
+            new.input[0] = pad.output[0]
+            for a in new.arg:
+                if a.name == "padding_values":
+                    del a.ints[:]
+                    a.ints.extend([0, 0])
+            out += [pad, new]
+            done.append(SafeForm(op.name, defects[op.name], pad.name, padded))
+        else:
+            c = mace_pb2.OperatorDef()
+            c.CopyFrom(op)
+            out.append(c)
+    del net.op[:]
+    net.op.extend(out)
+    return done
+
+
+def in_memory_model(multi_net_def, arrays, device: str) -> Model:
+    """A runtime Model over a built (not yet written) MultiNetDef."""
+    net = multi_net_def.net_def[0]
+    return Model(LoadedModel(net, dict(arrays), {"maceq": {"device": device}}, None, multi_net_def))
+
+
+def macs(ops, arrays) -> int:
+    """Multiply-accumulates per run of the Conv2D, DepthwiseConv2d and FullyConnected ops in ``ops``."""
+    total = 0
+    for op in ops:
+        if op.type not in ("Conv2D", "DepthwiseConv2d", "FullyConnected") or not op.output_shape:
+            continue
+        w = arrays.get(op.input[1])
+        if w is None:
+            continue
+        out = int(np.prod([int(d) for d in op.output_shape[0].dims]))
+        # OHWI: per output KH*KW*I; depthwise [KH, KW, C, M]: KH*KW; FC [O, ...]: all but O
+        total += out * (int(np.prod(w.shape[:2])) if op.type == "DepthwiseConv2d" else int(np.prod(w.shape[1:])))
+    return total
+
+
+def cost(before: list, after: list, arrays, forms: list[SafeForm]) -> SafeFormCost:
+    """Ops, MACs and activation bytes written per run, before the rewrites, and what they add."""
+    act = sum(int(np.prod([int(d) for d in s.dims])) for op in before if op.type != "Dequantize"
+              for s in op.output_shape)
+    if macs(before, arrays) != macs(after, arrays):
+        raise MaceqError("safe forms: the rewrite changed the number of MACs")
+    return SafeFormCost(len(before), len(after), macs(before, arrays), act, sum(f.added_bytes for f in forms))
+
+
+def make_safe(built, device: str) -> tuple[list[SafeForm], SafeFormCost | None]:
+    """Find and rewrite the ops of a BuiltModel that ``device`` computes wrongly; checks the result.
+
+    Returns the rewrites and their cost (None when nothing was rewritten).
+    """
+    model = in_memory_model(built.multi_net_def, built.arrays, device)
+    defects = find_defects(model, device)
+    if not defects:
+        return [], None
+    net = built.multi_net_def.net_def[0]
+    before = [mace_pb2.OperatorDef.FromString(op.SerializeToString()) for op in net.op]
+    forms = apply_safe_forms(net, defects, lambda t: _shape_of(model, t))
+    left = find_defects(in_memory_model(built.multi_net_def, built.arrays, device), device)
+    if left:
+        name, why = next(iter(left.items()))
+        raise MaceqError(f"op '{name}': still computed differently from the model after the rewrite ({why})")
+    return forms, cost(before, list(net.op), built.arrays, forms)
