@@ -421,6 +421,7 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
+    from maceq.reports.evaluate import device_path_lines
     from maceq.runtime.model import load
 
     model = load(args.qmodel)
@@ -441,6 +442,8 @@ def _cmd_inspect(args) -> int:
     on_dev = sum(1 for w, _ in place.values() if w == device)
     print(f"placement on {device}: {on_dev} ops on {device}, {len(place) - on_dev} on the cpu (fallback), "
           f"{model.boundary_transfers(place)} boundary transfers")
+    for line in device_path_lines(model.deviations(device), list(model.maceq_meta.get("safe_forms") or [])):
+        print(line.strip())
     print(f"{'#':>3}  {'op type':<16} {'prec':<5} {'runs on':<7} {'name':<44} {'output shape':<18} {'scale':>11} "
           f"{'zp':>4}  weights")
     for k, op in enumerate(model.ops):

@@ -55,8 +55,9 @@ def device_path_lines(deviations: dict, safe_forms: list) -> list[str]:
     if deviations:
         name, why = next(iter(deviations.items()))
         out.append(f"  warning: {len(deviations)} op(s) run on a device path that computes something other than "
-                   f"the model means; the figures above are what the device computes ({name}: {why}"
-                   + (", ..." if len(deviations) > 1 else "") + ")")
+                   f"the model means, and the simulation computes what the device does ({name}: {why}"
+                   + (", ..." if len(deviations) > 1 else "") + "); quantize again without --no-safe-forms to "
+                   "get a form the device computes right")
     if safe_forms:
         out.append(f"  {len(safe_forms)} op(s) were rewritten into a form the device computes right "
                    f"(explicit Pad before the depthwise convolution)")
