@@ -305,7 +305,7 @@ def _save_reference(path: str, labels: list[str], runs: list[dict]) -> None:
     np.savez_compressed(path, **arrays)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="quantized gpu model: its .yml (or .pb)")
@@ -323,20 +323,109 @@ def main(argv=None) -> int:
     ap.add_argument("--dump-programs", metavar="DIR", help="write the driver's program binaries and build logs")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ap.add_argument("--all", action="store_true", help="print every tensor, not only the differing ones")
-    args = ap.parse_args(argv)
+    return ap
 
-    result: dict = {}
-    if args.list or args.model is None:
-        plats = platform_info()
-        _print_platforms(plats)
-        result["platforms"] = plats
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
-        return 0
-    from maceq.runtime import load
+
+def _setup_device(args, result: dict):
+    """Create the chosen OpenCL backend, record what it is, and install it as the model runtime's backend."""
     from maceq.runtime import model as model_mod
 
-    model = load(args.model)
+    result["platforms"] = platform_info()
+    be, dev = make_backend(args.platform, args.cl_device)
+    result["device"] = be.device_name
+    if dev is None:
+        cl = _cl()
+        dev = next(d for p in cl.get_platforms() for d in p.get_devices()
+                   if f"{p.name}: {d.name}" == be.device_name)
+    result["device_info"] = {"platform": dev.platform.name, "platform_version": dev.platform.version,
+                             **_device_info(_cl(), dev)}
+    print(f"OpenCL device: {be.device_name} | {dev.version} | driver {dev.driver_version} | "
+          f"platform {dev.platform.version}")
+    if args.dump_programs:
+        result["programs"] = dump_programs(dev, Path(args.dump_programs))
+        for f, s in result["programs"].items():
+            print(f"  {f}: {s['bytes']} bytes{' PTX' if s['ptx'] else ''}, f32 ops {s['f32_instructions']}")
+    counting = CountingBackend(be)
+    model_mod._BACKENDS["opencl"] = counting
+    return counting
+
+
+class _Comparison:
+    """Runs each input on the simulation (and OpenCL) and tallies the differences tensor by tensor."""
+
+    def __init__(self, model, counting, reference):
+        self.model, self.counting = model, counting
+        self.producer = {o: (i, op) for i, op in enumerate(model.ops) for o in op.outputs}
+        self.ref_labels, self.ref = _read_reference(reference) if reference else ([], {})
+        self.reference = reference
+        self.vs_cl, self.vs_ref_sim, self.vs_ref_cl = Tally(), Tally(), Tally()
+        self.times = {"sim_s": [], "opencl_s": []}
+        self.sims = []
+
+    def _hook(self, idx, op, ins):
+        self.counting.current_op = idx
+        return False
+
+    def _meta(self, name):
+        idx, op = self.producer.get(name, (None, None))
+        ran = ("cl" if self.counting.calls.get(idx) else "sim") if (op and self.counting) else "-"
+        return {"op": op.name if op else "(input)", "op_type": op.type if op else "input", "ran_on": ran}
+
+    def _ref_tensor(self, label, name):
+        if label not in self.ref_labels:
+            raise _Fail(f"{self.reference}: has no input {label!r} (has {self.ref_labels})")
+        r = self.ref.get((self.ref_labels.index(label), name))
+        if r is None:
+            raise _Fail(f"{self.reference}: input {label!r} has no tensor {name!r}")
+        return r
+
+    def run(self, label, feed) -> None:
+        t0 = time.perf_counter()
+        sim = self.model.run(feed, device="gpu", intermediates=True)
+        self.times["sim_s"].append(time.perf_counter() - t0)
+        self.sims.append({n: t.values for n, t in sim.tensors.items()})
+        ocl = None
+        if self.counting is not None:
+            self.counting.calls.clear()
+            t0 = time.perf_counter()
+            ocl = self.model.run(feed, device="gpu", intermediates=True, backend="opencl", before_op=self._hook)
+            self.times["opencl_s"].append(time.perf_counter() - t0)
+            self.counting.current_op = None
+        for name, t in sim.tensors.items():
+            meta = self._meta(name)
+            if ocl is not None:
+                self.vs_cl.add(name, ocl.tensors[name].values, t.values, **meta)
+            if self.reference:
+                r = self._ref_tensor(label, name)
+                self.vs_ref_sim.add(name, t.values, r, **meta)
+                if ocl is not None:
+                    self.vs_ref_cl.add(name, ocl.tensors[name].values, r, **meta)
+        line = f"input {label}: sim {self.times['sim_s'][-1]:.2f} s"
+        if ocl is not None:
+            mism = sum(_diff(ocl.tensors[n].values, v)[0] for n, v in self.sims[-1].items())
+            line += f", opencl {self.times['opencl_s'][-1]:.2f} s, differing elements {mism}"
+        print(line, flush=True)
+
+
+def _print_block(title: str, key: str, tally, n_inputs: int, show_all: bool, result: dict) -> int:
+    """Print one comparison's table and summary line; 1 when some element differs."""
+    if not tally.rows:
+        return 0
+    result[key] = {"summary": tally.summary(), "per_tensor": list(tally.rows.values())}
+    rows = [r for r in tally.rows.values() if show_all or r["mismatches"]]
+    print(f"\n{title}: {len(rows)} of {len(tally.rows)} tensors listed")
+    if rows:
+        print(f"{'tensor':<44} {'op_type':<18} {'ran':<4} {'dtype':<8} {'elements':>10} {'mismatch':>9} {'max|d|':>9}")
+    for r in rows:
+        print(f"{r['tensor'][:44]:<44} {r['op_type'][:18]:<18} {r['ran_on']:<4} {r['dtype']:<8} "
+              f"{r['elements']:>10} {r['mismatches']:>9} {r['max_abs_diff']:>9.4g}")
+    s = tally.summary()
+    print(f"SUMMARY {key}: {n_inputs} inputs, {s['tensors']} tensors, {s['elements']} elements, "
+          f"{s['mismatches']} mismatching in {s['tensors_differing']} tensors, max abs diff {s['max_abs_diff']:g}")
+    return 1 if s["mismatches"] else 0
+
+
+def _feeds(args, model) -> list:
     if (model.maceq_meta.get("device") or "gpu") != "gpu":
         raise _Fail(f"{args.model}: quantized for {model.maceq_meta.get('device')}, not gpu (quantize --device gpu)")
     feeds = _load_inputs(model, args.inputs)
@@ -344,104 +433,41 @@ def main(argv=None) -> int:
         feeds += _images(model, args.images, args.count, args.preset, args.save_inputs)
     if not feeds:
         raise _Fail("no inputs: give INPUT.npy files or --images DIR")
+    return feeds
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    result: dict = {}
+    if args.list or args.model is None:
+        result["platforms"] = platform_info()
+        _print_platforms(result["platforms"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+        return 0
+    from maceq.runtime import load
+
+    model = load(args.model)
+    feeds = _feeds(args, model)
     labels = [lab for lab, _ in feeds]
-    producer = {o: (i, op) for i, op in enumerate(model.ops) for o in op.outputs}
-
-    counting = None
-    if not args.sim_only:
-        plats = platform_info()
-        result["platforms"] = plats
-        be, dev = make_backend(args.platform, args.cl_device)
-        result["device"] = be.device_name
-        if dev is None:
-            cl = _cl()
-            dev = next(d for p in cl.get_platforms() for d in p.get_devices()
-                       if f"{p.name}: {d.name}" == be.device_name)
-        result["device_info"] = {"platform": dev.platform.name, "platform_version": dev.platform.version,
-                                 **_device_info(_cl(), dev)}
-        print(f"OpenCL device: {be.device_name} | {dev.version} | driver {dev.driver_version} | "
-              f"platform {dev.platform.version}")
-        if args.dump_programs:
-            result["programs"] = dump_programs(dev, Path(args.dump_programs))
-            for f, s in result["programs"].items():
-                print(f"  {f}: {s['bytes']} bytes{' PTX' if s['ptx'] else ''}, f32 ops {s['f32_instructions']}")
-        counting = CountingBackend(be)
-        model_mod._BACKENDS["opencl"] = counting
-
-    ref_labels, ref = _read_reference(args.reference) if args.reference else ([], {})
-    vs_cl, vs_ref_sim, vs_ref_cl = Tally(), Tally(), Tally()
-    times = {"sim_s": [], "opencl_s": []}
-    sims = []
-
-    def hook(idx, op, ins):
-        if counting is not None:
-            counting.current_op = idx
-        return False
-
-    for i, (label, feed) in enumerate(feeds):
-        t0 = time.perf_counter()
-        sim = model.run(feed, device="gpu", intermediates=True)
-        times["sim_s"].append(time.perf_counter() - t0)
-        sims.append({n: t.values for n, t in sim.tensors.items()})
-        ocl = None
-        if counting is not None:
-            counting.calls.clear()
-            t0 = time.perf_counter()
-            ocl = model.run(feed, device="gpu", intermediates=True, backend="opencl", before_op=hook)
-            times["opencl_s"].append(time.perf_counter() - t0)
-            counting.current_op = None
-        for name, t in sim.tensors.items():
-            idx, op = producer.get(name, (None, None))
-            meta = {"op": op.name if op else "(input)", "op_type": op.type if op else "input",
-                    "ran_on": ("cl" if counting.calls.get(idx) else "sim") if (op and counting) else "-"}
-            if ocl is not None:
-                vs_cl.add(name, ocl.tensors[name].values, t.values, **meta)
-            if args.reference:
-                if label not in ref_labels:
-                    raise _Fail(f"{args.reference}: has no input {label!r} (has {ref_labels})")
-                r = ref.get((ref_labels.index(label), name))
-                if r is None:
-                    raise _Fail(f"{args.reference}: input {label!r} has no tensor {name!r}")
-                vs_ref_sim.add(name, t.values, r, **meta)
-                if ocl is not None:
-                    vs_ref_cl.add(name, ocl.tensors[name].values, r, **meta)
-        line = f"input {label}: sim {times['sim_s'][-1]:.2f} s"
-        if ocl is not None:
-            mism = sum(_diff(ocl.tensors[n].values, v)[0] for n, v in sims[-1].items())
-            line += f", opencl {times['opencl_s'][-1]:.2f} s, differing elements {mism}"
-        print(line, flush=True)
-
+    counting = None if args.sim_only else _setup_device(args, result)
+    cmp = _Comparison(model, counting, args.reference)
+    for label, feed in feeds:
+        cmp.run(label, feed)
     if args.save_sim:
-        _save_reference(args.save_sim, labels, sims)
-        print(f"wrote {args.save_sim} ({len(sims)} inputs, {len(sims[0])} tensors each)")
-
-    result.update(model=str(args.model), inputs=labels, times=times)
+        _save_reference(args.save_sim, labels, cmp.sims)
+        print(f"wrote {args.save_sim} ({len(cmp.sims)} inputs, {len(cmp.sims[0])} tensors each)")
+    result.update(model=str(args.model), inputs=labels, times=cmp.times)
     if counting is not None:
         result["backend_calls"] = {k: {"calls": counting.count[k], "seconds": round(counting.seconds[k], 4)}
                                    for k in sorted(counting.count)}
-    blocks = [("opencl vs simulation", "opencl_vs_sim", vs_cl)]
+    blocks = [("opencl vs simulation", "opencl_vs_sim", cmp.vs_cl)]
     if args.reference:
-        blocks += [("simulation vs reference simulation", "sim_vs_reference", vs_ref_sim),
-                   ("opencl vs reference simulation", "opencl_vs_reference", vs_ref_cl)]
-    status = 0
-    for title, key, tally in blocks:
-        if not tally.rows:
-            continue
-        result[key] = {"summary": tally.summary(), "per_tensor": list(tally.rows.values())}
-        rows = [r for r in tally.rows.values() if args.all or r["mismatches"]]
-        print(f"\n{title}: {len(rows)} of {len(tally.rows)} tensors listed")
-        if rows:
-            print(f"{'tensor':<44} {'op_type':<18} {'ran':<4} {'dtype':<8} {'elements':>10} {'mismatch':>9} {'max|d|':>9}")
-        for r in rows:
-            print(f"{r['tensor'][:44]:<44} {r['op_type'][:18]:<18} {r['ran_on']:<4} {r['dtype']:<8} "
-                  f"{r['elements']:>10} {r['mismatches']:>9} {r['max_abs_diff']:>9.4g}")
-        s = tally.summary()
-        print(f"SUMMARY {key}: {len(labels)} inputs, {s['tensors']} tensors, {s['elements']} elements, "
-              f"{s['mismatches']} mismatching in {s['tensors_differing']} tensors, max abs diff {s['max_abs_diff']:g}")
-        if s["mismatches"]:
-            status = 1
+        blocks += [("simulation vs reference simulation", "sim_vs_reference", cmp.vs_ref_sim),
+                   ("opencl vs reference simulation", "opencl_vs_reference", cmp.vs_ref_cl)]
+    status = max([_print_block(t, k, tally, len(labels), args.all, result) for t, k, tally in blocks] + [0])
     if counting is not None:
-        on_cl = sum(1 for r in vs_cl.rows.values() if r["ran_on"] == "cl")
+        on_cl = sum(1 for r in cmp.vs_cl.rows.values() if r["ran_on"] == "cl")
         print(f"ops on OpenCL: {on_cl} tensors; backend calls: "
               + ", ".join(f"{k} {v['calls']}x {v['seconds']:.2f}s" for k, v in result["backend_calls"].items()))
     if args.json:
