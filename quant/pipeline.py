@@ -303,15 +303,22 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
 
 
 def _device_forms(built, device: str, *, safe: bool) -> dict:
-    """Rewrite the ops ``device`` computes wrongly (``safe``), or list them; the .yml's record of either."""
-    if safe:
-        forms, cost = make_safe(built, device)
-        if not forms:
-            return {}
-        return {"safe_forms": [{"op": f.op, "reason": f.reason, "pad_op": f.pad_op} for f in forms],
-                "safe_form_cost": cost.describe()}
-    deviating = find_defects(in_memory_model(built.multi_net_def, built.arrays, device), device)
-    return {"deviations": deviating} if deviating else {}
+    """Rewrite the ops ``device`` computes wrongly (``safe``), or list them; the .yml's record of either.
+
+    A model whose probe run fails (a multiplier MACE aborts on) is written as it is: the device, and
+    the simulation, refuse to run it at all.
+    """
+    try:
+        defects = find_defects(in_memory_model(built.multi_net_def, built.arrays, device), device)
+    except MaceqError:
+        return {}
+    if not defects:
+        return {}
+    if not safe:
+        return {"deviations": defects}
+    forms, cost = make_safe(built, device, defects)
+    return {"safe_forms": [{"op": f.op, "reason": f.reason, "pad_op": f.pad_op} for f in forms],
+            "safe_form_cost": cost.describe()}
 
 
 #: The deployment yml's ``runtime`` key for each device (MACE's names).

@@ -205,13 +205,15 @@ def cost(before: list, after: list, arrays, forms: list[SafeForm]) -> SafeFormCo
     return SafeFormCost(len(before), len(after), macs(before, arrays), act, sum(f.added_bytes for f in forms))
 
 
-def make_safe(built, device: str) -> tuple[list[SafeForm], SafeFormCost | None]:
-    """Find and rewrite the ops of a BuiltModel that ``device`` computes wrongly; checks the result.
+def make_safe(built, device: str, defects: dict[str, str] | None = None
+              ) -> tuple[list[SafeForm], SafeFormCost | None]:
+    """Find (unless given) and rewrite the ops of a BuiltModel that ``device`` computes wrongly; checks the result.
 
     Returns the rewrites and their cost (None when nothing was rewritten).
     """
     model = in_memory_model(built.multi_net_def, built.arrays, device)
-    defects = find_defects(model, device)
+    if defects is None:
+        defects = find_defects(model, device)
     if not defects:
         return [], None
     net = built.multi_net_def.net_def[0]

@@ -17,6 +17,11 @@ maceq holds a tensor as the op that reads it expects, decided by the op's ``data
 
 ``prepare`` decodes the arguments (and const inputs) once; ``run`` applies the numpy kernel from
 ``maceq.runtime.kernels.float_ops`` and returns ``QTensor(values, None)``.
+
+Arithmetic. On the cpu device the kernels follow MACE's NEON float code order for order
+(``*_neon`` kernels: fused multiply-adds where MACE uses ``vfmaq``/``fmla``, its accumulation
+orders, correctly rounded ``expf``/``tanhf``/``logf``; docs/float-neon.md). Other devices (the
+gpu's float path, cpu fallbacks of the dsp) keep the plain float32 kernels.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import numpy as np
 from maceq.errors import MaceqError
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernels import float_ops as K
+from maceq.runtime.profiles import Device
 from maceq.runtime.registry import DType, register
 
 DF_NONE, DF_NHWC, DF_NCHW, DF_AUTO = 0, 1, 2, 1000
@@ -68,6 +74,12 @@ def _opt_const(op: RtOp, ctx, idx: int) -> np.ndarray | None:
     return None
 
 
+def _neon(ctx) -> bool:
+    """Whether the op runs on MACE's CPU runtime (NEON float kernels): the cpu device."""
+    profile = getattr(ctx, "profile", None)
+    return getattr(profile, "device", None) is Device.CPU
+
+
 def _norm_axis(op: RtOp, axis: int, rank: int) -> int:
     if not -rank <= axis < rank:
         raise _fail(op, f"axis {axis} out of range for rank {rank}")
@@ -85,13 +97,14 @@ class ActParams:
     coefficient: float
     hs_alpha: float
     hs_beta: float
+    exact_libm: bool = False  # cpu device: correctly rounded expf/tanhf
 
     def apply(self, x: np.ndarray) -> np.ndarray:
         return K.activation(x, self.kind, limit=self.limit, coefficient=self.coefficient,
-                            hs_alpha=self.hs_alpha, hs_beta=self.hs_beta)
+                            hs_alpha=self.hs_alpha, hs_beta=self.hs_beta, exact_libm=self.exact_libm)
 
 
-def act_params(op: RtOp) -> ActParams:
+def act_params(op: RtOp, ctx=None) -> ActParams:
     """``activation`` (string), ``max_limit``, ``activation_coefficient`` (MACE master) or
     ``leakyrelu_coefficient`` (older MACE), ``hardsigmoid_alpha``, ``hardsigmoid_beta``."""
     name = str(op.arg("activation", "NOOP")).upper()
@@ -103,7 +116,8 @@ def act_params(op: RtOp) -> ActParams:
     if coef is None:
         coef = op.arg("leakyrelu_coefficient", 0.0)
     return ActParams(kind, float(op.arg("max_limit", 0.0)), float(coef),
-                     float(op.arg("hardsigmoid_alpha", 0.0)), float(op.arg("hardsigmoid_beta", 0.0)))
+                     float(op.arg("hardsigmoid_alpha", 0.0)), float(op.arg("hardsigmoid_beta", 0.0)),
+                     _neon(ctx))
 
 
 # ------------------------------------------------------------------------------------------
@@ -154,6 +168,7 @@ class ConvParams:
     act: ActParams
     filter: np.ndarray = field(compare=False, repr=False)
     bias: np.ndarray | None = field(compare=False, repr=False)
+    neon: bool = False
 
 
 class _ConvBase:
@@ -164,8 +179,8 @@ class _ConvBase:
         if w.ndim != 4:
             raise _fail(op, f"filter must be 4-D, got {w.shape}")
         bias = _opt_const(op, ctx, 2)
-        return ConvParams(_nhwc_held(op), geometry(op), act_params(op), w,
-                          None if bias is None else bias.astype(np.float32))
+        return ConvParams(_nhwc_held(op), geometry(op), act_params(op, ctx), w,
+                          None if bias is None else bias.astype(np.float32), _neon(ctx))
 
 
 @register("Conv2D", dtype=DType.FLOAT)
@@ -175,7 +190,8 @@ class Conv2D(_ConvBase):
     def run(self, p: ConvParams, inputs):
         x = _fixed_in(inputs[0].values, p.nhwc, self)
         pads = p.geom.pads(self, x.shape[2:], p.filter.shape[2:])
-        y = K.conv2d(x, p.filter, p.bias, strides=p.geom.strides, pads=pads, dilations=p.geom.dilations)
+        conv = K.conv2d_neon if p.neon else K.conv2d
+        y = conv(x, p.filter, p.bias, strides=p.geom.strides, pads=pads, dilations=p.geom.dilations)
         return [_out(_fixed_out(p.act.apply(y), p.nhwc))]
 
 
@@ -186,8 +202,8 @@ class DepthwiseConv2d(_ConvBase):
     def run(self, p: ConvParams, inputs):
         x = _fixed_in(inputs[0].values, p.nhwc, self)
         pads = p.geom.pads(self, x.shape[2:], p.filter.shape[2:])
-        y = K.depthwise_conv2d(x, p.filter, p.bias, strides=p.geom.strides, pads=pads,
-                               dilations=p.geom.dilations)
+        conv = K.depthwise_conv2d_neon if p.neon else K.depthwise_conv2d
+        y = conv(x, p.filter, p.bias, strides=p.geom.strides, pads=pads, dilations=p.geom.dilations)
         return [_out(_fixed_out(p.act.apply(y), p.nhwc))]
 
 
@@ -206,7 +222,7 @@ class Deconv2D(_ConvBase):
             raise _fail(op, "Deconv2D needs padding_values")
         w = _const(op, ctx, 1, "filter").astype(np.float32)
         bias = _opt_const(op, ctx, 2)
-        return ConvParams(_nhwc_held(op), geometry(op), act_params(op), w,
+        return ConvParams(_nhwc_held(op), geometry(op), act_params(op, ctx), w,
                           None if bias is None else bias.astype(np.float32))
 
     def run(self, p: ConvParams, inputs):
@@ -223,6 +239,7 @@ class PoolParams:
     max_pool: bool
     kernel: tuple[int, int]
     ceil: bool
+    neon: bool = False
 
 
 @register("Pooling", dtype=DType.FLOAT)
@@ -236,13 +253,16 @@ class Pooling:
         k = op.arg("kernels", None)
         if not k or len(k) != 2:
             raise _fail(op, "needs 'kernels' [kh, kw]")
-        return PoolParams(_nhwc_held(op), geometry(op), kind == 2, tuple(k), int(op.arg("round_mode", 1)) == 1)
+        return PoolParams(_nhwc_held(op), geometry(op), kind == 2, tuple(k), int(op.arg("round_mode", 1)) == 1,
+                          _neon(ctx))
 
     def run(self, p: PoolParams, inputs):
         x = _fixed_in(inputs[0].values, p.nhwc, self)
         top, left, bottom, right = p.geom.pads(self, x.shape[2:], p.kernel)
         y = K.pooling(x, max_pool=p.max_pool, kernel=p.kernel, strides=p.geom.strides,
                       pad_total=(top + bottom, left + right), dilations=p.geom.dilations, ceil=p.ceil)
+        if p.neon and not p.max_pool and y.shape[2:] == (1, 1) and tuple(p.kernel) == tuple(x.shape[2:]):
+            y = K.global_avg_pool_neon(x)  # MACE's whole-plane branch: four-lane partial sums
         return [_out(_fixed_out(y, p.nhwc))]
 
 
@@ -252,6 +272,7 @@ class FCParams:
     act: ActParams
     weight: np.ndarray = field(compare=False, repr=False)
     bias: np.ndarray | None = field(compare=False, repr=False)
+    neon: bool = False
 
 
 @register("FullyConnected", dtype=DType.FLOAT)
@@ -262,7 +283,8 @@ class FullyConnected:
     def prepare(self, op: RtOp, in_q, ctx) -> FCParams:
         w = _const(op, ctx, 1, "weight").astype(np.float32)
         bias = _opt_const(op, ctx, 2)
-        return FCParams(_nhwc_held(op), act_params(op), w, None if bias is None else bias.astype(np.float32))
+        return FCParams(_nhwc_held(op), act_params(op, ctx), w, None if bias is None else bias.astype(np.float32),
+                        _neon(ctx))
 
     def run(self, p: FCParams, inputs):
         x = inputs[0].values
@@ -272,7 +294,8 @@ class FullyConnected:
             raise _fail(self, f"input {x.shape} does not match weight {p.weight.shape}")
         if int(np.prod(x.shape[1:])) != int(np.prod(p.weight.shape[1:])):
             raise _fail(self, f"input {x.shape} does not match weight {p.weight.shape}")
-        y = p.act.apply(K.fully_connected(x, p.weight, p.bias))
+        fc = K.fully_connected_neon if p.neon else K.fully_connected
+        y = p.act.apply(fc(x, p.weight, p.bias))
         n, o = y.shape
         return [_out(y.reshape(n, 1, 1, o) if p.nhwc else y.reshape(n, o, 1, 1))]
 
@@ -282,6 +305,7 @@ class MatMulParams:
     transpose_a: bool
     transpose_b: bool
     has_bias: bool
+    neon: bool = False
 
 
 @register("MatMul", dtype=DType.FLOAT)
@@ -289,12 +313,14 @@ class MatMul:
     """``transpose_a``/``transpose_b``; optional third input: a 1-D bias over the columns (matmul.cc)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> MatMulParams:
-        return MatMulParams(bool(op.arg("transpose_a", 0)), bool(op.arg("transpose_b", 0)), len(op.inputs) >= 3)
+        return MatMulParams(bool(op.arg("transpose_a", 0)), bool(op.arg("transpose_b", 0)), len(op.inputs) >= 3,
+                            _neon(ctx))
 
     def run(self, p: MatMulParams, inputs):
         bias = inputs[2].values if p.has_bias else None
-        return [_out(K.matmul(inputs[0].values, inputs[1].values, bias, transpose_a=p.transpose_a,
-                              transpose_b=p.transpose_b))]
+        mm = K.matmul_neon if p.neon else K.matmul
+        return [_out(mm(inputs[0].values, inputs[1].values, bias, transpose_a=p.transpose_a,
+                        transpose_b=p.transpose_b))]
 
 
 @dataclass(frozen=True)
@@ -310,7 +336,7 @@ class BatchNorm:
     def prepare(self, op: RtOp, in_q, ctx) -> LayoutActParams:
         if len(op.inputs) != 3:
             raise _fail(op, "only the folded form [input, scale, offset] is supported")
-        return LayoutActParams(_nhwc_held(op), act_params(op))
+        return LayoutActParams(_nhwc_held(op), act_params(op, ctx))
 
     def run(self, p: LayoutActParams, inputs):
         x = inputs[0].values
@@ -328,7 +354,7 @@ class Activation:
     """``activation`` RELU/RELUX/LEAKYRELU/TANH/SIGMOID/HARDSIGMOID/ELU/PRELU (PRELU: alpha = input 1)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> LayoutActParams:
-        p = act_params(op)
+        p = act_params(op, ctx)
         if p.kind is K.ActKind.PRELU and len(op.inputs) < 2:
             raise _fail(op, "PRELU needs an alpha input")
         return LayoutActParams(_nhwc_held(op), p)
@@ -408,6 +434,7 @@ class SoftmaxParams:
     nhwc: bool
     axis: int | None
     use_log: bool
+    neon: bool = False
 
 
 @register("Softmax", dtype=DType.FLOAT)
@@ -417,7 +444,7 @@ class Softmax:
 
     def prepare(self, op: RtOp, in_q, ctx) -> SoftmaxParams:
         ax = op.arg("axis", None)
-        return SoftmaxParams(_nhwc_held(op), None if ax is None else int(ax), bool(op.arg("use_log", 0)))
+        return SoftmaxParams(_nhwc_held(op), None if ax is None else int(ax), bool(op.arg("use_log", 0)), _neon(ctx))
 
     def run(self, p: SoftmaxParams, inputs):
         x = inputs[0].values
@@ -427,6 +454,10 @@ class Softmax:
             axis = _norm_axis(self, p.axis, x.ndim)
             if p.nhwc and x.ndim == 4:
                 axis = NCHW_TO_NHWC_AXIS[axis]
+        if p.neon:
+            nchw = x.ndim == 4 and axis == (3 if p.nhwc else 1)  # RunForNCHW; else RunForNHWC (last dim)
+            if nchw or axis == x.ndim - 1:
+                return [_out(K.softmax_neon(x, axis, use_log=p.use_log, nchw=nchw))]
         return [_out(K.softmax(x, axis, use_log=p.use_log))]
 
 
@@ -449,6 +480,7 @@ class ReduceParams:
     keepdims: bool
     has_df: bool
     nhwc: bool
+    neon: bool = False
 
 
 @register("Reduce", dtype=DType.FLOAT)
@@ -461,11 +493,13 @@ class Reduce:
         except ValueError:
             raise _fail(op, f"reduce_type {op.arg('reduce_type')}") from None
         return ReduceParams(kind, tuple(op.arg("axis", []) or []), bool(op.arg("keepdims", 0)),
-                            bool(op.arg("has_data_format", 0)), _nhwc_held(op))
+                            bool(op.arg("has_data_format", 0)), _nhwc_held(op), _neon(ctx))
 
     def run(self, p: ReduceParams, inputs):
         x = inputs[0].values
         axes = tuple(_data_axis(self, a, x.ndim, has_df=p.has_df, nhwc=p.nhwc) for a in p.axes)
+        if p.neon and not (p.nhwc and x.ndim == 4):  # MACE's loops over the array as stored
+            return [_out(K.reduce_neon(x, p.kind, axes, keepdims=p.keepdims))]
         return [_out(K.reduce(x, p.kind, axes, keepdims=p.keepdims))]
 
 

@@ -43,6 +43,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from maceq.errors import MaceqError
 from maceq.runtime.kernels import jit
+from maceq.runtime.kernels.cfloat import fmaf as _fmaf  # float32 FMA, shared with the float kernels
 from maceq.runtime.fixedpoint import (
     INT32_MAX,
     INT32_MIN,
@@ -195,27 +196,6 @@ def requantize_fixed(acc, *, multiplier, shift, out_zp: int, act_min: int, act_m
     """
     r = multiply_by_quantized_multiplier(np.asarray(acc, dtype=np.int64), multiplier, shift)
     return np.clip(np.asarray(r) + int(out_zp), act_min, act_max)
-
-
-def _fmaf(a: np.ndarray, b: np.float32, c: np.float32) -> np.ndarray:
-    """float32 fused multiply-add ``round32(a*b + c)`` with one rounding, vectorised.
-
-    a*b of two float32 values is exact in float64 (48 significant bits). The
-    float64 sum s = p + c rounds; TwoSum gives its exact error t. Rounding
-    s "to odd" (move to the odd neighbour when t != 0 and s is even) and then
-    to float32 yields the correctly rounded result, since 53 >= 24 + 2
-    (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums").
-    """
-    p = a.astype(np.float64) * np.float64(b)
-    cc = np.float64(c)
-    s = p + cc
-    bb = s - p
-    t = (p - (s - bb)) + (cc - bb)
-    even = (s.view(np.int64) & 1) == 0
-    bump = (t != 0) & even
-    towards = np.where(t > 0, np.inf, -np.inf)
-    s = np.where(bump, np.nextafter(s, towards), s)
-    return s.astype(np.float32)
 
 
 def requantize_float(acc, *, multiplier: np.float32, out_zp: int,
