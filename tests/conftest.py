@@ -30,3 +30,67 @@ def loops(request, monkeypatch):
         # silently test the numpy paths twice
         assert k_jit.gemm_available(), "no CBLAS GEMM found in numpy's BLAS (runtime/kernels/blas.py)"
     return request.param
+
+
+# ------------------------------------------------------------------------------------------------
+# Test tiers. A test's own marker wins; otherwise its file's tier below, else "unit". Tests measured
+# above 1.5 s on the 2-core development machine are also "slow": `pytest -m "not slow"` is the fast
+# development tier; CI runs everything. Tests that need an outside program or package carry a needs_*
+# marker too.
+
+TIERS = ("unit", "oracle", "e2e")
+FILE_TIER = {
+    "oracle/": "oracle", "test_dw3x3_arm.py": "oracle", "test_float_neon.py": "oracle",
+    "test_dsp_nnlib.py": "oracle", "test_nnlib_golden.py": "oracle", "test_gpu_opencl.py": "oracle",
+    "test_properties.py": "oracle", "test_quantize_kernel.py": "oracle", "test_fast_paths.py": "oracle",
+    "test_end_to_end.py": "e2e", "test_report_browser.py": "e2e", "test_mixed_precision.py": "e2e",
+    "test_auto_mixed.py": "e2e", "test_hardening.py": "e2e", "test_parallel.py": "e2e", "test_ppocr.py": "e2e",
+    "test_devices.py": "e2e", "test_bias_correction.py": "e2e", "test_report.py": "e2e", "test_budget.py": "e2e",
+}
+SLOW = (
+    "oracle/test_model_replay.py::test_every_layer_matches_its_oracle",
+    "test_analysis.py::test_first_conv_isolated_equals_accumulated",
+    "test_analysis.py::test_layers_are_the_uint8_nodes_by_exact_names",
+    "test_analysis.py::test_op_runner_equals_run_op",
+    "test_analysis.py::test_source_path_gives_the_same_as_the_graph",
+    "test_auto_mixed.py::",
+    "test_bias_correction.py::test_cli_recipe_records_the_steps",
+    "test_bias_correction.py::test_correction_is_what_the_written_model_computes",
+    "test_budget.py::test_one_layer_over_budget_then_relaxed",
+    "test_devices.py::test_gpu_opencl_backend_equals_simulation_mobilenet_v2",
+    "test_devices.py::test_one_model_per_device_with_its_scheme",
+    "test_dw3x3_arm.py::test_every_uint8_tap_of_mobilenet_v2_is_reproduced",
+    "test_end_to_end.py::",
+    "test_equalize.py::test_float_function_is_kept_on_calibration_and_held_out_images",
+    "test_equalize.py::test_quantized_cpu_layers_gain_from_equalization",
+    "test_fast_paths.py::test_model_on_fast_kernels_equals_reference_kernels",
+    "test_float_neon.py::test_golden_mobilenet_v2_fp32_whole_model",
+    "test_fuzz_smoke.py::test_target_seeds_regressions_and_mutations",
+    "test_hardening.py::test_rerun_gives_bit_identical_outputs",
+    "test_hardening.py::test_sigkill_at_any_moment_leaves_the_old_set_or_no_model_and_a_rerun_succeeds",
+    "test_hardening.py::test_single_image_calibration",
+    "test_mixed_precision.py::test_cli_auto_mode_flags",
+    "test_parallel.py::",
+    "test_ppocr.py::",
+    "test_properties.py::test_gpu_requantize_float32_rte",
+    "test_properties.py::test_multiply_by_quantized_multiplier",
+    "test_report.py::",
+    "test_report_browser.py::",
+    "test_threads.py::test_every_tensor_is_the_same_with_any_number_of_threads",
+)
+NEEDS = {"test_report_browser.py::": "needs_chromium", "test_gpu_opencl.py::": "needs_opencl",
+         "test_devices.py::test_gpu_opencl": "needs_opencl", "test_parallel.py::test_ray": "needs_ray",
+         "test_parallel.py::test_mixed_precision_on_ray": "needs_ray"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = item.nodeid.split("tests/", 1)[-1]
+        if not any(item.get_closest_marker(t) for t in TIERS):
+            tier = next((t for f, t in FILE_TIER.items() if rel.startswith(f)), "unit")
+            item.add_marker(getattr(pytest.mark, tier))
+        if rel.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+        for prefix, mark in NEEDS.items():
+            if rel.startswith(prefix):
+                item.add_marker(getattr(pytest.mark, mark))
