@@ -8,3 +8,11 @@ key at fault. The CLIs catch it, print ``error: <message>`` and exit with 2.
 
 class MaceqError(Exception):
     """Bad input or an unsupported construct, explained in one line."""
+
+
+def one_line(text: object) -> str:
+    """``text`` on one line: each line break (any that ``str.splitlines`` knows) becomes the two
+    characters ``\\n``, so a name read from a file cannot break a one-line message."""
+    text = str(text)
+    lines = text.splitlines()
+    return text if len(lines) <= 1 and not text.endswith(("\n", "\r")) else "\\n".join(lines)

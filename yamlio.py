@@ -12,14 +12,10 @@ from typing import Any
 
 import yaml
 
-from maceq.errors import MaceqError
+from maceq.errors import MaceqError, one_line
 
 __all__ = ["read_text", "read_yaml", "parse_yaml", "one_line"]
 
-
-def one_line(text: object) -> str:
-    """``text`` with line breaks escaped, for names quoted inside a one-line message."""
-    return str(text).replace("\r", "\\r").replace("\n", "\\n")
 
 
 def parse_yaml(text: str, *, source: str) -> Any:

@@ -61,7 +61,7 @@ from typing import Any, Mapping
 import numpy as np
 from PIL import Image
 
-from maceq.errors import MaceqError
+from maceq.errors import MaceqError, one_line
 
 __all__ = [
     "ColorOrder",
@@ -146,11 +146,6 @@ def _parse_floats(value: Any, key: str) -> tuple[float, ...] | None:
         raise MaceqError(f"preprocess key '{key}': empty list")
     return tuple(_parse_float(v, key) for v in items)
 
-
-def _one_line(text: str) -> str:
-    """``text`` with its line breaks escaped (a key from a YAML file may hold one)."""
-    lines = text.splitlines()
-    return text if len(lines) == 1 else "\\n".join(lines) or repr(text)
 
 
 def _reciprocal_int(scale: float) -> int | None:
@@ -261,7 +256,7 @@ class Preprocess:
         for key in d:
             if key not in known and key != "preset":
                 raise MaceqError(
-                    f"preprocess: unknown key '{_one_line(str(key))}' (known: preset, {', '.join(sorted(known))})"
+                    f"preprocess: unknown key '{one_line(str(key))}' (known: preset, {', '.join(sorted(known))})"
                 )
         kw = {k: v for k, v in d.items() if k != "preset"}
         if d.get("preset") is not None:
@@ -273,7 +268,7 @@ class Preprocess:
         known = {f.name for f in fields(self)}
         for key in kw:
             if key not in known:
-                raise MaceqError(f"preprocess: unknown key '{_one_line(str(key))}'")
+                raise MaceqError(f"preprocess: unknown key '{one_line(str(key))}'")
         return replace(self, **kw)
 
     # -- the work --------------------------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import defs, helper, numpy_helper
 
-from maceq.errors import MaceqError
+from maceq.errors import MaceqError, one_line
 from maceq.quant.ir import Graph, Node, ValueInfo
 
 MIN_OPSET, MAX_OPSET = 11, 21
@@ -94,11 +94,6 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
-def _one_line(text: str) -> str:
-    """``text`` with its line breaks escaped (node and tensor names in a model may hold one)."""
-    lines = text.splitlines()
-    return text if len(lines) == 1 else "\\n".join(lines) or repr(text)
-
 
 def import_onnx(model: onnx.ModelProto, *, source: str = "model") -> Graph:
     """Convert an ONNX ModelProto to the IR; opset outside [11, 21] is an error.
@@ -109,7 +104,7 @@ def import_onnx(model: onnx.ModelProto, *, source: str = "model") -> Graph:
     try:
         return _import_onnx(model, source)
     except MaceqError as e:
-        raise MaceqError(_one_line(str(e))) from None
+        raise MaceqError(one_line(str(e))) from None
 
 
 def _import_onnx(model: onnx.ModelProto, source: str) -> Graph:
@@ -159,7 +154,7 @@ def fix_input_shapes(graph: Graph, input_shape: list[int] | None) -> dict[str, l
     try:
         return _fix_input_shapes(graph, input_shape)
     except MaceqError as e:
-        raise MaceqError(_one_line(str(e))) from None
+        raise MaceqError(one_line(str(e))) from None
 
 
 def _fix_input_shapes(graph: Graph, input_shape: list[int] | None) -> dict[str, list[int]]:

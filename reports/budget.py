@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-from maceq.errors import MaceqError
+from maceq.errors import MaceqError, one_line
 from maceq.yamlio import read_text, read_yaml
 
 #: Global budget keys -> (direction, the report's metric under summary.devices.<device>).
@@ -206,18 +206,13 @@ def _layer_rules(d, device: str | None, where: str, start: int) -> list[LayerRul
     return rules
 
 
-def _one_line(text: str) -> str:
-    """``text`` with its line breaks escaped (a key or glob from the file may hold one)."""
-    lines = text.splitlines()
-    return text if len(lines) == 1 else "\\n".join(lines) or repr(text)
-
 
 def budget_from_dict(d: Any, *, source: str = "budget") -> Budget:
     """Validate a parsed budget document (see the module docstring); MaceqError is one line."""
     try:
         return _budget_from_dict(d, source=source)
     except MaceqError as e:
-        raise MaceqError(_one_line(str(e))) from None
+        raise MaceqError(one_line(str(e))) from None
 
 
 def _budget_from_dict(d: Any, *, source: str) -> Budget:

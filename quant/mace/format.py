@@ -45,7 +45,7 @@ from typing import Any, Mapping
 import numpy as np
 import yaml
 
-from maceq.errors import MaceqError
+from maceq.errors import MaceqError, one_line
 from maceq.quant.mace import mace_pb2
 
 # ---------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def read_ranges(path) -> dict[str, tuple[float, float]]:
     try:
         return parse_ranges(_read_text(path), source=str(path))
     except MaceqError as e:
-        raise MaceqError(_one_line(str(e))) from None
+        raise MaceqError(one_line(str(e))) from None
 
 
 def write_ranges(path, ranges: Mapping[str, tuple[float, float]]) -> Path:
@@ -367,12 +367,6 @@ def write_ranges(path, ranges: Mapping[str, tuple[float, float]]) -> Path:
 # ---------------------------------------------------------------------------
 # Files
 
-
-def _one_line(text: str) -> str:
-    """``text`` with its line breaks escaped: a MaceqError message is one line even when a file or
-    tensor name read from the model holds a line break."""
-    lines = text.splitlines()
-    return text if len(lines) == 1 else "\\n".join(lines) or repr(text)
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -701,7 +695,7 @@ def check_model_name(name) -> str:
         except UnicodeEncodeError:  # a lone surrogate
             ok = False
     if not ok:
-        raise MaceqError(f"model name {_one_line(repr(name))}: must be a plain file stem (no path separator, "
+        raise MaceqError(f"model name {one_line(repr(name))}: must be a plain file stem (no path separator, "
                          f"control character or leading '.', at most {MAX_NAME_BYTES} bytes)")
     return name
 
@@ -864,7 +858,7 @@ def read_model(path) -> LoadedModel:
     try:
         return _read_model(Path(path))
     except MaceqError as e:
-        raise MaceqError(_one_line(str(e))) from None
+        raise MaceqError(one_line(str(e))) from None
 
 
 def _read_model(path: Path) -> LoadedModel:
