@@ -1,4 +1,5 @@
-"""Reading the user's YAML files: ``yaml.safe_load`` only, every failure a one-line MaceqError.
+"""Reading the user's YAML files (``yaml.safe_load`` only) and writing files atomically; every failure
+a one-line MaceqError.
 
 PyYAML's pure-Python ``safe_load`` is used on purpose: the C loader (CSafeLoader) crashes the
 process on very deep nesting (docs/fuzzing.md), while the Python composer raises RecursionError,
@@ -7,6 +8,7 @@ which is turned into an error here.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import yaml
 
 from maceq.errors import MaceqError, one_line
 
-__all__ = ["read_text", "read_yaml", "parse_yaml", "one_line"]
+__all__ = ["read_text", "read_yaml", "parse_yaml", "one_line", "atomic_write"]
 
 
 
@@ -45,3 +47,32 @@ def read_text(path: str | os.PathLike, *, what: str = "file") -> str:
 def read_yaml(path: str | os.PathLike, *, what: str = "file") -> Any:
     """Read and parse a UTF-8 YAML file (:func:`read_text`, :func:`parse_yaml`)."""
     return parse_yaml(read_text(path, what=what), source=str(path))
+
+
+def atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path`` (flushed to disk), then rename it into place.
+
+    A reader sees the old file or the whole new one, never part of it; the folder is created when
+    missing; the file gets the usual permissions (``0o666`` less the umask). OSError becomes a
+    MaceqError naming the file.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise MaceqError(f"{path}: cannot write: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600
+        os.replace(tmp, path)
+    except OSError as e:
+        raise MaceqError(f"{path}: cannot write: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

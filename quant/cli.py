@@ -5,10 +5,10 @@ Bad input prints one line, ``error: ...``, and exits with status 2; no traceback
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
-import tempfile
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from maceq.errors import MaceqError
-from maceq.yamlio import read_yaml
+from maceq.yamlio import atomic_write, read_yaml
 
 DEFAULT_MODEL_NAME = "fmnist_mobilenet"
 
@@ -350,16 +350,14 @@ def _load_input(path: str, model, pre):
     return load_image(path, pre)
 
 
-def _atomic_save(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def _npy_bytes(outs: dict) -> bytes:
+    """One output as .npy, several as .npz, in memory (then written atomically)."""
+    buf = io.BytesIO()
+    if len(outs) == 1:
+        np.save(buf, next(iter(outs.values())))
+    else:
+        np.savez(buf, **outs)
+    return buf.getvalue()
 
 
 def _cmd_run(args) -> int:
@@ -372,11 +370,7 @@ def _cmd_run(args) -> int:
                      backend=args.backend)
     out_path = Path(args.output) if args.output else None
     if out_path is not None:
-        if len(outs) == 1:
-            arr = next(iter(outs.values()))
-            _atomic_save(out_path, lambda t: np.save(open(t, "wb"), arr))
-        else:
-            _atomic_save(out_path, lambda t: np.savez(open(t, "wb"), **outs))
+        atomic_write(out_path, _npy_bytes(outs))
         print(f"wrote {out_path}")
     classes = model.maceq_meta.get("classes")
     for name, y in outs.items():
@@ -415,7 +409,7 @@ def _cmd_eval(args) -> int:
         print(line)
     if args.json:
         text = json.dumps(result.to_dict(), indent=2, sort_keys=True)
-        _atomic_save(Path(args.json), lambda t: Path(t).write_text(text + "\n"))
+        atomic_write(Path(args.json), (text + "\n").encode("utf-8"))
         print(f"wrote {args.json}")
     return 0
 

@@ -44,15 +44,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 
 from maceq.errors import MaceqError, one_line
-from maceq.yamlio import read_text, read_yaml
+from maceq.yamlio import atomic_write, read_text, read_yaml
 
 #: Global budget keys -> (direction, the report's metric under summary.devices.<device>).
 GLOBAL_KEYS: dict[str, tuple[str, str]] = {
@@ -357,28 +355,6 @@ def junit_xml(report: Mapping, budget: Budget) -> bytes:
     suites.set("skipped", str(skips))
     ET.indent(suites)
     return ET.tostring(suites, encoding="utf-8", xml_declaration=True) + b"\n"
-
-
-def atomic_write(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then ``os.replace`` it into place."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
-    except OSError as e:
-        raise MaceqError(f"{path}: cannot write ({e.strerror})") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except OSError as e:
-        raise MaceqError(f"{path}: cannot write ({e.strerror})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def load_report(path: str | os.PathLike) -> dict:

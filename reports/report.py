@@ -525,7 +525,7 @@ def report_json_text(report: Mapping) -> str:
 
 def write_report(report: Mapping, output_dir: str | os.PathLike, *, stem: str = "report") -> ReportFiles:
     """Write ``<stem>.json`` and ``<stem>.html`` into ``output_dir`` (each atomically)."""
-    from maceq.reports.budget import atomic_write
+    from maceq.yamlio import atomic_write
 
     out = Path(output_dir)
     text = report_json_text(report)  # before any file is touched: a non-JSON value fails here

@@ -47,6 +47,7 @@ import yaml
 
 from maceq.errors import MaceqError, one_line
 from maceq.quant.mace import mace_pb2
+from maceq.yamlio import atomic_write
 
 # ---------------------------------------------------------------------------
 # Data types
@@ -360,7 +361,7 @@ def read_ranges(path) -> dict[str, tuple[float, float]]:
 def write_ranges(path, ranges: Mapping[str, tuple[float, float]]) -> Path:
     """Write a MACE range file atomically (temp file + os.replace); return its path."""
     path = Path(path)
-    _atomic_write(path, format_ranges(ranges).encode("utf-8"))
+    atomic_write(path, format_ranges(ranges).encode("utf-8"))
     return path
 
 
@@ -387,27 +388,6 @@ def _read_text(path: Path) -> str:
         return _read_bytes(path).decode("utf-8")
     except UnicodeDecodeError:
         raise MaceqError(f"{path}: not UTF-8 text") from None
-
-
-def _atomic_write(path: Path, payload: bytes) -> None:
-    folder = path.parent
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    except OSError as e:
-        raise MaceqError(f"{path}: cannot write: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise MaceqError(f"{path}: cannot write: {e.strerror or e}") from None
 
 
 def _umask() -> int:
