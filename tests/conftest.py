@@ -60,6 +60,8 @@ SLOW = (
     "test_devices.py::test_gpu_opencl_backend_equals_simulation_mobilenet_v2",
     "test_devices.py::test_one_model_per_device_with_its_scheme",
     "test_dw3x3_arm.py::test_every_uint8_tap_of_mobilenet_v2_is_reproduced",
+    "test_dw3x3_arm.py::test_every_whole_model_output_of_stock_mace_is_reproduced",
+    "test_dw3x3_arm.py::test_every_sweep_output_of_stock_mace_is_reproduced",
     "test_end_to_end.py::",
     "test_equalize.py::test_float_function_is_kept_on_calibration_and_held_out_images",
     "test_equalize.py::test_quantized_cpu_layers_gain_from_equalization",
