@@ -1,15 +1,16 @@
-"""The dsp device's kernel overrides: Hexagon nnlib ops, as nnlib's C reference computes them.
+"""The dsp device's kernel overrides: Hexagon nnlib ops, as nnlib's HVX kernels compute them.
 
 MACE ops map onto nnlib's compositions: Conv2D -> Supernode_8x8p32to8, DepthwiseConv2d ->
 DepthwiseSupernode_8x8p32to8, FullyConnected -> SuperFC_8x8p32to8, Eltwise SUM/SUB ->
 QuantizedAdd/Sub_8p8to8, Concat -> QuantizedConcat_8, Pooling -> QuantizedMaxPool_8 /
-QuantizedAvgPool_8, Reduce (spatial mean) -> QuantizedAvgPool_8 over the whole plane, input
-Quantize -> QuantizeINPUT_f_to_8, Dequantize -> DequantizeOUTPUT_8tof. Tensors carry float
+QuantizedAvgPool_8, Reduce (mean) -> QuantizedMean_8, input Quantize -> QuantizeINPUT_f_to_8,
+Dequantize -> DequantizeOUTPUT_8tof. Tensors carry float
 min/max ranges (the QInfo's minval/maxval), as nnlib passes them between ops.
 
 Ops nnlib lacks (no override here: Softmax, ResizeBilinear, ...) and configurations it rejects
-(``supports_conv``: dilation > 1, pads no padding mode expresses, depthwise filters it cannot run,
-Concat off the depth axis) run the cpu profile's kernel instead; :func:`placement` reports which.
+(``supports_conv``: dilation > 1, pads no padding mode expresses, depthwise filters it cannot run;
+Concat off the depth axis with a 1x1 output; FullyConnected with an input depth below 32 or not a
+multiple of 16) run the cpu profile's kernel instead; :func:`placement` reports which.
 The scale/zero point of a dsp tensor are nnlib's (level size, code of 0.0) for its range, so a
 cpu kernel reads the same real values from it.
 """
@@ -59,10 +60,30 @@ class DspConvParams:
     on_dsp: bool
     reason: str
     strides: tuple[int, int]
-    padding: int  # nnlib Padding
+    padding: int  # nnlib Padding (unused for conv: the mode is found at run time from the input size)
     out_range_bits: tuple[int, int]  # float32 bits of the stored output min/max
     cpu: object = None  # the cpu kernel's params when the op falls back
     variant: str = "d32"  # the profile's supernode_variant
+    kernel: tuple[int, int] = (1, 1)
+    pads: tuple[int, int, int, int] = (0, 0, 0, 0)  # (top, left, bottom, right) from padding_values
+    padding_arg: int | None = None  # a MACE ``padding`` argument (TensorFlow models)
+
+
+def conv_padding(p, in_hw) -> R.Padding:
+    """The nnlib padding mode of a conv / pooling op on an input of size ``in_hw`` (MACE's converter rule)."""
+    t, l, b, r = p.pads
+    out_hw = tuple((n + lo + hi - k) // s + 1 for n, lo, hi, k, s in
+                   zip(in_hw, (t, l), (b, r), p.kernel, p.strides))
+    return K.mace_padding_mode(in_hw=in_hw, out_hw=out_hw, kernel=p.kernel, strides=p.strides,
+                               padding_arg=p.padding_arg)
+
+
+def _bias(inputs, n_out: int):
+    """(codes, min, max) of the bias input, or MACE's add_bias (zeros over [0, 0]) when there is none."""
+    if len(inputs) > 2:
+        b = inputs[2]
+        return b.values, b.qinfo.minval, b.qinfo.maxval
+    return np.zeros(n_out, np.int32), 0.0, 0.0
 
 
 def _f32_bits(v) -> int:
@@ -105,38 +126,43 @@ class _DspConv(_Fallback):
     def prepare(self, op: RtOp, in_q, ctx) -> DspConvParams:
         w = ctx.consts[op.inputs[1]]
         kernel = (w.shape[0], w.shape[1]) if self.depthwise else (w.shape[1], w.shape[2])
-        in_hw = None
-        if op.output_shapes:
-            # recover the input size from the output: nnlib needs it to map explicit pads
-            oh, ow = op.output_shapes[0][1:3]
-            sh, sw = op.arg("strides", [1, 1])
-            t, l, b, r = _pads(op)
-            in_hw = ((oh - 1) * sh + kernel[0] - t - b, (ow - 1) * sw + kernel[1] - l - r)
-        ok, why = K.supports_conv(strides=op.arg("strides", [1, 1]), dilations=op.arg("dilations", [1, 1]),
-                                  pads=_pads(op), kernel=kernel, in_hw=in_hw, depthwise=self.depthwise,
+        strides = tuple(int(v) for v in op.arg("strides", [1, 1]))
+        # the padding mode depends on the input size (MACE's converter rule): found at run time
+        ok, why = K.supports_conv(strides=strides, dilations=op.arg("dilations", [1, 1]), pads="VALID",
+                                  kernel=kernel, depthwise=self.depthwise,
                                   depth_multiplier=w.shape[3] if self.depthwise else 1)
         if not ok:
             return self._fallback(op, in_q, ctx, why)
-        mode = K.padding_for_pads(in_hw=in_hw, kernel=kernel, strides=op.arg("strides", [1, 1]), pads=_pads(op))
         lo, hi = rng(op.out_qinfo[0])
-        return DspConvParams(True, "", tuple(op.arg("strides", [1, 1])), int(mode), (_f32_bits(lo), _f32_bits(hi)),
-                             variant=ctx.profile.supernode_variant or "d32")
+        p = DspConvParams(True, "", strides, 0, (_f32_bits(lo), _f32_bits(hi)),
+                          variant=ctx.profile.supernode_variant or "d32", kernel=tuple(kernel), pads=_pads(op),
+                          padding_arg=op.arg("padding"))
+        if op.output_shapes:  # the smallest input giving this output: MACE's converter must find a mode
+            t, l, b, r = p.pads
+            in_hw = tuple((o - 1) * s + k - lo_ - hi_ for o, s, k, lo_, hi_ in
+                          zip(op.output_shapes[0][1:3], strides, kernel, (t, l), (b, r)))
+            try:
+                conv_padding(p, in_hw)
+            except MaceqError as e:
+                return self._fallback(op, in_q, ctx, str(e))
+        return p
 
     def run(self, p: DspConvParams, inputs):
         if not p.on_dsp:
             return self._run_cpu(p, inputs)
-        x, w, b = inputs[:3]
+        x, w = inputs[:2]
         x_lo, x_hi = rng(x.qinfo)
         w_lo, w_hi = rng(w.qinfo)
-        b_lo, b_hi = b.qinfo.minval, b.qinfo.maxval
+        n_out = w.values.shape[2] if self.depthwise else w.values.shape[0]
+        b, b_lo, b_hi = _bias(inputs, n_out)
         out_lo, out_hi = (_bits_f32(v) for v in p.out_range_bits)
         kw = dict(x_min=x_lo, x_max=x_hi, w_min=w_lo, w_max=w_hi, bias_min=b_lo, bias_max=b_hi, out_min=out_lo,
-                  out_max=out_hi, strides=p.strides, padding=R.Padding(p.padding))
+                  out_max=out_hi, strides=p.strides, padding=conv_padding(p, x.values.shape[1:3]))
         if self.depthwise:
-            y, mn, mx = K.depthwise_supernode(x.values, w.values, b.values, **kw)
+            y, mn, mx = K.depthwise_supernode(x.values, w.values, b, **kw)
         else:
             variant = K.SupernodeVariant.D32 if p.variant == "d32" else K.SupernodeVariant.REF
-            y, mn, mx = K.supernode(x.values, K.ohwi_to_hwio(w.values), b.values, variant=variant, **kw)
+            y, mn, mx = K.supernode(x.values, K.ohwi_to_hwio(w.values), b, variant=variant, **kw)
         return [_qt(y, qinfo_of_range(mn, mx))]
 
 
@@ -156,18 +182,24 @@ class DspFullyConnected(_Fallback):
     cpu_kernel = cpu_ops.FullyConnected
 
     def prepare(self, op: RtOp, in_q, ctx) -> DspConvParams:
+        w = ctx.consts[op.inputs[1]]
+        ok, why = R.superfc_supported(int(np.prod(w.shape[1:])))  # SuperFC_8x8p32to8 runs superfc_execute_hvx
+        if not ok:
+            return self._fallback(op, in_q, ctx, f"SuperFC: {why}")
         lo, hi = rng(op.out_qinfo[0])
         return DspConvParams(True, "", (1, 1), 0, (_f32_bits(lo), _f32_bits(hi)))
 
     def run(self, p: DspConvParams, inputs):
-        x, w, b = inputs[:3]
+        if not p.on_dsp:
+            return self._run_cpu(p, inputs)
+        x, w = inputs[:2]
         n = x.values.shape[0]
         x_lo, x_hi = rng(x.qinfo)
         w_lo, w_hi = rng(w.qinfo)
+        b, b_lo, b_hi = _bias(inputs, w.values.shape[0])
         out_lo, out_hi = (_bits_f32(v) for v in p.out_range_bits)
-        y, mn, mx = K.superfc(x.values.reshape(n, -1), K.fc_weight_to_dsp(w.values), b.values, x_min=x_lo,
-                              x_max=x_hi, w_min=w_lo, w_max=w_hi, bias_min=b.qinfo.minval,
-                              bias_max=b.qinfo.maxval, out_min=out_lo, out_max=out_hi)
+        y, mn, mx = K.superfc(x.values.reshape(n, -1), K.fc_weight_to_dsp(w.values), b, x_min=x_lo, x_max=x_hi,
+                              w_min=w_lo, w_max=w_hi, bias_min=b_lo, bias_max=b_hi, out_min=out_lo, out_max=out_hi)
         return [_qt(y.reshape(n, 1, 1, -1), qinfo_of_range(mn, mx))]
 
 
@@ -210,9 +242,11 @@ class DspConcat:
 
     def prepare(self, op: RtOp, in_q, ctx) -> DspConcatParams:
         axis = int(op.arg("axis", 3))
-        if axis % 4 != 3:
-            return DspConcatParams(False, f"axis {axis}: nnlib concatenates along depth only", axis,
-                                   self._concat.prepare(op, in_q, ctx))
+        shape = op.output_shapes[0] if op.output_shapes else None
+        # QuantizedConcat_8_d32 takes any axis; the flat op (kept for 1x1 outputs) depth only
+        if axis % 4 != 3 and (shape is None or len(shape) != 4 or not R.concat_runs_d32(shape)):
+            return DspConcatParams(False, f"axis {axis}: nnlib's flat concat (1x1 outputs) concatenates depth only",
+                                   axis, self._concat.prepare(op, in_q, ctx))
         return DspConcatParams(True, "", axis)
 
     def run(self, p: DspConcatParams, inputs):
@@ -226,34 +260,55 @@ class DspConcat:
 @dataclass(frozen=True)
 class DspPoolParams:
     kind: int  # 1 avg, 2 max
-    kernel: tuple[int, int] | None  # None: the whole plane (Reduce mean)
+    kernel: tuple[int, int]
     strides: tuple[int, int]
     pads: tuple[int, int, int, int]
+    padding_arg: int | None = None
 
 
 @register("Pooling", device=DSP)
 class DspPooling:
     def prepare(self, op: RtOp, in_q, ctx) -> DspPoolParams:
-        return DspPoolParams(int(op.require("pooling_type")), tuple(op.require("kernels")),
-                             tuple(op.arg("strides", [1, 1])), _pads(op))
+        return DspPoolParams(int(op.require("pooling_type")), tuple(int(v) for v in op.require("kernels")),
+                             tuple(int(v) for v in op.arg("strides", [1, 1])), _pads(op), op.arg("padding"))
 
     def run(self, p: DspPoolParams, inputs):
         x = inputs[0]
         lo, hi = rng(x.qinfo)
-        h, w = x.values.shape[1:3]
-        kernel = p.kernel or (h, w)
-        mode = K.padding_for_pads(in_hw=(h, w), kernel=kernel, strides=p.strides, pads=p.pads)
+        mode = conv_padding(p, x.values.shape[1:3])
         fn = K.quantized_maxpool if p.kind == 2 else K.quantized_avgpool
-        y, mn, mx = fn(x.values, x_min=lo, x_max=hi, kernel=kernel, strides=p.strides, padding=mode)
-        return [_qt(y, x.qinfo)]
+        y, mn, mx = fn(x.values, x_min=lo, x_max=hi, kernel=p.kernel, strides=p.strides, padding=mode)
+        if (mn, mx) == (R.f32(lo), R.f32(hi)):
+            return [_qt(y, x.qinfo)]
+        return [_qt(y, qinfo_of_range(mn, mx))]  # avgpool to 1x1 finds its range from the data
+
+
+@dataclass(frozen=True)
+class DspMeanParams:
+    axes: tuple[int, ...]
+    out_range_bits: tuple[int, int]
 
 
 @register("Reduce", device=DSP)
-class DspReduce(DspPooling):
-    def prepare(self, op: RtOp, in_q, ctx) -> DspPoolParams:
-        if int(op.arg("reduce_type", 0)) != 0 or tuple(op.arg("axis", [1, 2])) != (1, 2):
-            raise MaceqError(f"op '{op.name}': the dsp Reduce is the spatial mean (QuantizedAvgPool) only")
-        return DspPoolParams(1, None, (1, 1), (0, 0, 0, 0))
+class DspReduce:
+    """MACE's Hexagon converter turns Reduce (mean, keep_dims) into QuantizedMean_8 with the op's
+    output range (convert_reduce)."""
+
+    def prepare(self, op: RtOp, in_q, ctx) -> DspMeanParams:
+        if int(op.arg("reduce_type", 0)) != 0:
+            raise MaceqError(f"op '{op.name}': the dsp Reduce is the mean only ('Hexagon Reduce only supports Mean')")
+        if not int(op.arg("keepdims", 1)):
+            raise MaceqError(f"op '{op.name}': the dsp Reduce keeps dims only ('Hexagon Reduce Mean only supports "
+                             "keep dims')")
+        lo, hi = rng(op.out_qinfo[0])
+        return DspMeanParams(tuple(int(a) for a in op.arg("axis", [1, 2])), (_f32_bits(lo), _f32_bits(hi)))
+
+    def run(self, p: DspMeanParams, inputs):
+        x = inputs[0]
+        lo, hi = rng(x.qinfo)
+        out_lo, out_hi = (_bits_f32(v) for v in p.out_range_bits)
+        y, mn, mx = K.quantized_mean(x.values, x_min=lo, x_max=hi, axes=p.axes, out_min=out_lo, out_max=out_hi)
+        return [_qt(y, qinfo_of_range(mn, mx))]
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,11 @@ from maceq.runtime.kernels import nnlib_ref as r
 from maceq.runtime.kernels.nnlib_ref import INF, Padding
 
 __all__ = [
-    "Padding", "SupernodeVariant", "ohwi_to_hwio", "fc_weight_to_dsp", "padding_for_pads", "supports_conv",
+    "Padding", "SupernodeVariant", "ohwi_to_hwio", "fc_weight_to_dsp", "padding_for_pads", "mace_padding_mode",
+    "supports_conv",
     "quantize_adjust_range", "mace_adjust_range_for_hexagon", "mace_quantize_bias", "mace_quantize_tensor",
     "supernode", "depthwise_supernode", "superfc", "quantized_add", "quantized_sub", "quantized_concat",
-    "quantized_maxpool", "quantized_avgpool", "quantize", "quantize_input", "dequantize",
+    "quantized_maxpool", "quantized_avgpool", "quantized_mean", "quantize", "quantize_input", "dequantize",
 ]
 
 
@@ -118,6 +119,30 @@ def padding_for_pads(*, in_hw, kernel, strides, pads) -> Padding:
             return mode
     raise MaceqError(f"nnlib: pads {tuple(pads)} for input {tuple(in_hw)}, kernel {tuple(kernel)}, strides "
                      f"{tuple(strides)} match no padding mode (SAME, VALID, SAME_CAFFE)")
+
+
+def mace_padding_mode(*, in_hw, out_hw, kernel, strides, padding_arg=None) -> Padding:
+    """The padding mode MACE's Hexagon converter gives a conv / pooling op (add_padding_type_for_conv_pooling).
+
+    With a ``padding`` argument (TensorFlow models) its MACE PaddingMode maps to NN_PAD_VALID /
+    SAME / NA. Otherwise (explicit pads: ONNX, Caffe) only the sizes count: VALID when
+    ``out == (in - k)/s + 1`` on both axes, else SAME_CAFFE when ``out == (in - 1)/s + 1``, else the
+    converter fails ("Hexagon does not support padding type"). So an odd total pad placed TF-style
+    (more at the end) runs as SAME_CAFFE (more at the start) on the device.
+    """
+    if padding_arg is not None:
+        modes = {0: Padding.VALID, 1: Padding.SAME, 4: Padding.NA}
+        if int(padding_arg) not in modes:
+            raise MaceqError(f"MACE's Hexagon converter: padding mode {padding_arg} has no nnlib padding")
+        return modes[int(padding_arg)]
+    sizes = list(zip(in_hw, out_hw, kernel, strides))
+    if all(o == (i - k) // s + 1 for i, o, k, s in sizes):
+        return Padding.VALID
+    if all(o == (i - 1) // s + 1 for i, o, k, s in sizes):
+        return Padding.SAME_CAFFE
+    raise MaceqError(f"MACE's Hexagon converter: no padding type gives output {tuple(out_hw)} from input "
+                     f"{tuple(in_hw)}, kernel {tuple(kernel)}, strides {tuple(strides)} ('Hexagon does not support "
+                     "padding type')")
 
 
 def _resolve_padding(padding, in_hw, kernel, strides) -> Padding:
@@ -257,32 +282,82 @@ def _check_conv(x, w, *, op: str):
     return x, w
 
 
-def _d32_kernel(conv_sums, gemsumb):
-    """A ``d32_execute`` kernel: outputs of ``bias + sum(v*w) - sum(v*filt_offset)`` requantized.
+def _d32_kernel(n_out: int, gemsumb, conv_sums, junk_sums=None):
+    """A ``d32_execute`` kernel: ``exact + biasbuf + gemsumb*in_offset`` requantized, mod 2^32.
 
-    With ``v = in_offset`` at padding this equals ``conv_sums(in_offset) + bias +
-    in_offset*gemsumb`` mod 2^32 (``gemsumb = sum(w) - K*filt_offset``; the bias buffer holds
-    ``-gemsumb*in_offset``). The sums are cached per ``in_offset`` (fixed by the input range).
+    ``conv_sums(in_offset)``: int64 [N,OH,OW,O] ``sum((v - in_offset)*(w - filt_offset))`` with
+    ``v = in_offset`` at padding; the HVX conv sums are that plus the bias word plus
+    ``gemsumb*in_offset`` (each node's own gemsumb, over the channels padded to 32). The min /
+    max also covers the padded channels (bias word only) and ``junk_sums(in_offset)``, int64
+    [M, O] sums at computed-but-discarded columns. Sums are cached per ``in_offset``.
     """
     cache = {}
+    g = np.asarray(gemsumb, dtype=np.int64)
 
     def kernel(sc: r.D32Scaling, biasbuf):
-        if sc.in_offset not in cache:
-            cache[sc.in_offset] = conv_sums(sc.in_offset)
-        s = cache[sc.in_offset] + np.asarray(biasbuf, dtype=np.int64) + gemsumb * sc.in_offset
-        return _d32_requant(s, sc.recip_val, sc.recip_shamt)
+        io = sc.in_offset
+        if io not in cache:
+            cache[io] = (conv_sums(io), junk_sums(io) if junk_sums is not None else None)
+        sums, junk = cache[io]
+        word = np.asarray(biasbuf, dtype=np.int64) + g * io
+        y, vmin, vmax = _d32_requant(sums + word[:n_out], sc.recip_val, sc.recip_shamt)
+        for extra in (word[n_out:], None if junk is None else junk + word[:n_out]):
+            if extra is not None and extra.size:
+                _, lo, hi = _d32_requant(extra, sc.recip_val, sc.recip_shamt)
+                vmin, vmax = min(vmin, lo), max(vmax, hi)
+        return y, vmin, vmax
 
     return kernel
 
 
 def _d32_requant(s, recip_val: int, shamt: int):
     """d32 requant, vectorised: (u8 outputs, min raw, max raw) as dwconv2dbbb_c.c."""
-    s = _wrap32(np.asarray(s, dtype=np.int64) << shamt)
+    s = _wrap32(_wrap32(s) << shamt)
     lsum = (s * recip_val + 0x40000000) >> 31
     raw = _wrap32(lsum)
     vmin = min(1 << 24, int(raw.min())) if raw.size else 1 << 24
     vmax = max(-(1 << 24), int(raw.max())) if raw.size else -(1 << 24)
     return np.clip(lsum, 0, 255).astype(np.uint8), vmin, vmax
+
+
+def _d32_read(x, in_offset: int, b, rows, cols, chans) -> np.ndarray:
+    """``nnlib_ref.d32_input_read`` on broadcast index arrays (int64 result)."""
+    n, h, w, c = x.shape
+    wt = r.D32_LEFT_PAD + w + ((-w) & 3)
+    nd32 = (c + 31) // 32
+    b, rows, cols, chans = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (b, rows, cols, chans)))
+    dd = chans // 32 + cols // wt
+    row = rows + dd // nd32
+    ch = 32 * (dd % nd32) + chans % 32
+    ix = cols % wt - r.D32_LEFT_PAD
+    inside = (row >= 0) & (row < h) & (ix >= 0) & (ix < w)
+    p = ((b * h + row) * w + ix) * c + ch
+    ok = inside & (p < x.size)
+    out = np.full(p.shape, in_offset, dtype=np.int64)
+    out[ok] = x.reshape(-1)[p[ok]]  # ch < c: the pixel's own channel; else the bytes that follow it
+    return out
+
+
+def _dw_junk_sums(x, w, filt_offset: int, strides, before, out_hw):
+    """``junk_sums`` for the depthwise kernel: sums at ``dwise_computed_cols`` outside the output."""
+    n, h, wd, c = x.shape
+    kh, kw = w.shape[:2]
+    cols = [ox for ox in r.dwise_computed_cols((kh, kw), strides[1], out_hw[1], before[1]) if not 0 <= ox < out_hw[1]]
+    if not cols:
+        return None
+    wz = w[:, :, :, 0].astype(np.int64) - filt_offset  # [KH, KW, C]
+    bb = np.arange(n)[:, None, None, None, None, None]
+    rows = (np.arange(out_hw[0]) * strides[0] - before[0])[None, :, None, None, None, None] \
+        + np.arange(kh)[None, None, None, None, :, None]
+    mcols = (r.D32_LEFT_PAD - before[1] + np.asarray(cols) * strides[1])[None, None, :, None, None, None] \
+        + np.arange(kw)[None, None, None, None, None, :]
+    chans = np.arange(c)[None, None, None, :, None, None]
+
+    def sums(io):
+        v = _d32_read(x, io, bb, rows, mcols, chans) - io  # [N, OH, J, C, KH, KW]
+        return _wrap32(np.einsum("nhjcab,abc->nhjc", v, wz)).reshape(-1, c)
+
+    return sums
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,9 +370,10 @@ def supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out
     """Supernode_8x8p32to8: conv + int32 bias + clamp to the output range -> (y, y_min, y_max).
 
     ``out_min=-inf`` / ``out_max=+inf``: nnlib finds the range (returned). ``variant``:
-    REF = op_supernode.c reference (``nnlib_ref.supernode_ref``); D32 = the d32
-    requantization model (``nnlib_ref.supernode_d32_model_ref``). ``ref_pad_quirk`` (REF
-    only): the reference's ``nn_pad_compute_before(out_width, ...)``.
+    REF = op_supernode.c reference (``nnlib_ref.supernode_ref``); D32 = what nnlib runs after
+    prepare (``nnlib_ref.supernode_d32_ref``): Supernode_8x8p32to8_d32, InputSupernode for
+    depth <= 4, or the flat op (REF with the pad quirk) for depth <= 4 and odd stride width > 1.
+    ``ref_pad_quirk`` (REF only): the reference's ``nn_pad_compute_before(out_width, ...)``.
     """
     x, w = _check_conv(x, w, op="Supernode")
     n, h, wd, c = x.shape
@@ -311,20 +387,59 @@ def supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out
     strides = (int(strides[0]), int(strides[1]))
     mode = _resolve_padding(padding, (h, wd), (kh, kw), strides)
     oh, ow, bh, bw = r._geometry((h, wd), (kh, kw), strides, mode, op="Supernode")
+    kw_args = dict(x_min=x_min, x_max=x_max, w_min=w_min, w_max=w_max, bias_min=bias_min, bias_max=bias_max,
+                   out_min=out_min, out_max=out_max)
     if variant == SupernodeVariant.D32:
-        filt_offset = r.quantize_uint8(0.0, r.f32(w_min), r.f32(w_max))
-        gemsumb = w.reshape(-1, o).astype(np.int64).sum(axis=0) - kh * kw * c * filt_offset
-        return r.d32_execute(
-            out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max,
-            weights_level=r.fdiv(r.fsub(r.f32(w_max), r.f32(w_min)), 255.0),
-            bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=list(map(int, gemsumb)),
-            kernel=_d32_kernel(lambda io: _conv_sums(x, w, io, filt_offset, strides, (bh, bw), (oh, ow)), gemsumb))
+        node = r.supernode_node(c, strides[1])
+        if node is not None:
+            return _supernode_d32(x, w, bias, node, strides, (bh, bw), (oh, ow), **kw_args)
+        ref_pad_quirk = True  # the flat Supernode_8x8p32to8 stays: supernode_execute_hvx
     if ref_pad_quirk:
         bh = r.pad_outsize_before_after(oh, kh, strides[0], mode)[1]
         bw = r.pad_outsize_before_after(ow, kw, strides[1], mode)[1]
+    if variant == SupernodeVariant.D32:
+        if n > 1 and ((kh * kw * c) % 16 or mode == Padding.SAME_CAFFE):
+            raise MaceqError("dsp Supernode (flat): batch > 1 with filter size not a multiple of 16 ('Batch size > 1 "
+                             "not supported with odd in depth for now')")
+        if oh > 3:
+            return _supernode_flat(x, w, bias, strides, (bh, bw), (oh, ow), **kw_args)
+    return _supernode_ref(x, w, bias, strides, (bh, bw), (oh, ow), **kw_args)
+
+
+def _supernode_flat(x, w, bias, strides, before, out_hw, *, x_min, x_max, w_min, w_max, bias_min, bias_max,
+                    out_min, out_max):
+    """supernode_execute_hvx's GEMM path (``nnlib_ref.supernode_flat_ref``), vectorised."""
+    in_off, filt_off, out_level, bias_mpy = r.supernode_ref_params(x_min, x_max, w_min, w_max, bias_min, bias_max)
+    tmp = _conv_sums(x, w, in_off, filt_off, strides, before, out_hw)
+    maxsum = max(0, int(tmp.max())) if tmp.size else 0
+    final_min, final_max = r.supernode_flat_range(maxsum, out_level, bias_max, out_min, out_max)
+    biasbuf, recip = r.supernode_flat_biasbuf_recip(bias, bias_mpy, final_min, final_max, out_level)
+    s = _wrap32(tmp + np.asarray(biasbuf, dtype=np.int64))
+    out_i = _wrap32(((s & 0xFFFFFFFF) * recip + (1 << 15)) & 0xFFFFFFFF) >> 16
+    return np.clip(out_i, 0, 255).astype(np.uint8), final_min, final_max
+
+
+def _supernode_d32(x, w, bias, node, strides, before, out_hw, **kw):
+    """Supernode_8x8p32to8_d32 / InputSupernode_8x8p32to8_outd32 (``nnlib_ref.supernode_d32_ref``)."""
+    o = w.shape[3]
+    filt_offset, filt_level = r.get_qu8_level_size_zero(r.f32(kw["w_min"]), r.f32(kw["w_max"]))
+    junk = None
+    if node is r.INPUT_SUPERNODE and out_hw[1] % 4:
+        ext = (out_hw[0], (out_hw[1] + 3) & ~3)  # InputSupernode computes the width rounded to 4
+        junk = lambda io: _conv_sums(x, w, io, filt_offset, strides, before, ext)[:, :, out_hw[1]:].reshape(-1, o)
+    gemsumb = (r.shortin_gemsumb if node is r.INPUT_SUPERNODE else r.supernode_d32_gemsumb)(w, filt_offset)
+    return r.d32_execute(
+        node=node, out_min=kw["out_min"], out_max=kw["out_max"], x_min=kw["x_min"], x_max=kw["x_max"],
+        weights_level=filt_level, bias=bias, bias_min=kw["bias_min"], bias_max=kw["bias_max"], gemsumb=gemsumb,
+        kernel=_d32_kernel(o, gemsumb, lambda io: _conv_sums(x, w, io, filt_offset, strides, before, out_hw), junk))
+
+
+def _supernode_ref(x, w, bias, strides, before, out_hw, *, x_min, x_max, w_min, w_max, bias_min, bias_max,
+                   out_min, out_max):
+    """supernode_execute_ref (``nnlib_ref.supernode_ref``), vectorised."""
     in_off, filt_off, out_level, bias_mpy = r.supernode_ref_params(x_min, x_max, w_min, w_max, bias_min, bias_max)
     biasbuf = _fast_round(_i2f(bias) * np.float32(bias_mpy))
-    tmp = _conv_sums(x, w, in_off, filt_off, strides, (bh, bw), (oh, ow))
+    tmp = _conv_sums(x, w, in_off, filt_off, strides, before, out_hw)
     maxsum = max(0, int(tmp.max())) if tmp.size else 0
     minsum = min(0, int(tmp.min())) if tmp.size else 0
     final_min, final_max = r.supernode_ref_range(maxsum, minsum, out_level, out_min, out_max)
@@ -336,7 +451,11 @@ def supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out
 
 def depthwise_supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-INF,
                         out_max=INF, strides, padding, relu=None):
-    """DepthwiseSupernode_8x8p32to8 (runs as the d32 op) -> (y, y_min, y_max); w is [KH, KW, C, 1]."""
+    """DepthwiseSupernode_8x8p32to8 (runs as the d32 op) -> (y, y_min, y_max); w is [KH, KW, C, 1].
+
+    ``nnlib_ref.depthwise_supernode_ref``: the min / max behind an open range also covers the
+    columns the 3x3 kernels compute outside the output (``nnlib_ref.dwise_computed_cols``).
+    """
     x, w = _check_conv(x, w, op="DepthwiseSupernode")
     n, h, wd, c = x.shape
     kh, kw, kc, m = w.shape
@@ -349,23 +468,58 @@ def depthwise_supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bia
     mode = _resolve_padding(padding, (h, wd), (kh, kw), strides)
     oh, ow, bh, bw = r._geometry((h, wd), (kh, kw), strides, mode, op="DepthwiseSupernode")
     filt_offset = r.quantize_uint8(0.0, r.f32(w_min), r.f32(w_max))
-    gemsumb = w[:, :, :, 0].reshape(-1, c).astype(np.int64).sum(axis=0) - kh * kw * filt_offset
-    return r.d32_execute(out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max,
+    gemsumb = r.dwise_gemsumb(w, filt_offset)
+    return r.d32_execute(node=r.DEPTHWISE_D32, out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max,
                          weights_level=r.fdiv(r.fsub(r.f32(w_max), r.f32(w_min)), r.fmul(255.0, 1.0)),
-                         bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=list(map(int, gemsumb)),
+                         bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=gemsumb,
                          kernel=_d32_kernel(
-                             lambda io: _dw_sums(x, w, io, filt_offset, strides, (bh, bw), (oh, ow)), gemsumb))
+                             c, gemsumb, lambda io: _dw_sums(x, w, io, filt_offset, strides, (bh, bw), (oh, ow)),
+                             _dw_junk_sums(x, w, filt_offset, strides, (bh, bw), (oh, ow))))
 
 
-def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-INF, out_max=INF, relu=None):
-    """SuperFC_8x8p32to8 (superfc_execute_ref) -> (y [N, O], y_min, y_max); x [N, K], w [K, O]."""
+def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-INF, out_max=INF, relu=None,
+            variant: str = "hvx"):
+    """SuperFC_8x8p32to8 -> (y [N, O], y_min, y_max); x [N, K], w [K, O].
+
+    ``variant="hvx"``: superfc_execute_hvx, what the op runs (``nnlib_ref.superfc_hvx_ref``; K must
+    be >= 32 and a multiple of 16); ``"ref"``: SuperFC_8x8p32to8_ref (``nnlib_ref.superfc_ref``).
+    """
     x = np.asarray(x)
     w = np.asarray(w)
     if x.dtype != np.uint8 or x.ndim != 2 or w.dtype != np.uint8 or w.ndim != 2 or w.shape[0] != x.shape[1]:
         raise MaceqError(f"dsp SuperFC: expected uint8 x [N,K] and w [K,O], got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
     out_min, out_max = _apply_relu(out_min, out_max, relu)
+    bias = np.asarray(bias, dtype=np.int64).reshape(-1)
+    kw = dict(x_min=x_min, x_max=x_max, w_min=w_min, w_max=w_max, bias_min=bias_min, bias_max=bias_max,
+              out_min=out_min, out_max=out_max)
+    if variant == "ref":
+        return _superfc_ref(x, w, bias, **kw)
+    if variant != "hvx":
+        raise MaceqError(f"dsp SuperFC: variant must be 'hvx' or 'ref', got {variant!r}")
+    ok, why = r.superfc_supported(x.shape[1])
+    if not ok:
+        raise MaceqError(f"dsp SuperFC: {why}")
+    fo, filt_level = r.get_qu8_level_size_zero(r.f32(w_min), r.f32(w_max))
+    g = np.asarray(r.superfc_gemsumb(w, fo), dtype=np.int64)
+    o = w.shape[1]
+    cache = {}
+
+    def kernel(sc: r.D32Scaling, biasbuf):
+        if sc.in_offset not in cache:  # exact sum((x - in_offset)*(w - filt_offset))
+            cache[sc.in_offset] = (x.astype(np.float64) - sc.in_offset) @ (w.astype(np.float64) - fo)
+        word = np.asarray(biasbuf, dtype=np.int64) - g * sc.in_offset
+        y, vmin, vmax = _d32_requant(cache[sc.in_offset].astype(np.int64) + word[:o], sc.recip_val, sc.recip_shamt)
+        _, lo, hi = _d32_requant(word[o:], sc.recip_val, sc.recip_shamt)
+        return y, min(0, vmin, lo), max(0, vmax, hi)
+
+    return r.superfc_execute(out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max, filt_level=filt_level,
+                             bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=list(map(int, g)), kernel=kernel)
+
+
+def _superfc_ref(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min, out_max):
+    """superfc_execute_ref (``nnlib_ref.superfc_ref``), vectorised."""
     in_off, filt_off, out_level, bias_mpy = r.superfc_ref_params(x_min, x_max, w_min, w_max, bias_min, bias_max)
-    biasbuf = _fast_round(_i2f(np.asarray(bias, dtype=np.int64).reshape(-1)) * np.float32(bias_mpy))
+    biasbuf = _fast_round(_i2f(bias) * np.float32(bias_mpy))
     acc = (x.astype(np.float64) - in_off) @ (w.astype(np.float64) - filt_off)
     tmp = _wrap32(acc.astype(np.int64) + biasbuf)
     minsum = min(0, int(tmp.min())) if tmp.size else 0
@@ -404,22 +558,39 @@ def _addsub(a, b, *, a_min, a_max, b_min, b_max, out_min, out_max, subtract: boo
     b = np.asarray(b)
     if a.dtype != np.uint8 or b.dtype != np.uint8:
         raise MaceqError(f"dsp QuantizedAdd: expected uint8 inputs, got {a.dtype} and {b.dtype}")
-    if a.shape != b.shape:
-        raise MaceqError(f"dsp QuantizedAdd: shapes {a.shape} and {b.shape} differ (broadcast runs "
-                         "quant_add_spec_asm, not modelled)")
-    ai, bi = a.astype(np.int64), b.astype(np.int64)
-    return r.addsub_execute(a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max, out_min=out_min, out_max=out_max,
-                            subtract=subtract, core=lambda sp, track: _addsub_core(ai, bi, sp))
+    kw = dict(a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max, out_min=out_min, out_max=out_max,
+              subtract=subtract)
+    if a.shape == b.shape and not subtract:  # the flat add (the sub always runs as the d32 op)
+        ai, bi = a.astype(np.int64), b.astype(np.int64)
+        return r.addsub_execute(core=lambda sp, track: _addsub_core(ai, bi, sp), **kw)
+    _, swap, all_ones = r.addsub_broadcast_plan(a.shape, b.shape)
+    shape = np.broadcast_shapes(a.shape, b.shape)
+    if all_ones and r.f32(out_min) == -INF and r.f32(out_max) == INF:
+        big, rngs = (b, ((b_min, b_max), (a_min, a_max))) if swap else (a, ((a_min, a_max), (b_min, b_max)))
+        oper = ("sub_rev" if swap else "sub") if subtract else "add"
+        scale, offs, mn, mx = r.addsub_1111_scaling(rngs[0], rngs[1], int((a if swap else b).ravel()[0]), oper)
+        return _scaled_copy(big.reshape(shape), scale, offs), mn, mx
+    ai, bi = (np.broadcast_to(t, shape).astype(np.int64) for t in (a, b))
+    return r.addsub_execute(core=lambda sp, track: _addsub_core(ai, bi, sp), d32=True, **kw)
+
+
+def _scaled_copy(x: np.ndarray, scale: int, offset: int) -> np.ndarray:
+    """``nnlib_ref.scaled_copy_u8`` on an array."""
+    if offset == 0 and scale >= 32704:
+        return x.copy()
+    return np.clip((x.astype(np.int64) * scale + offset * 256 + (1 << 14)) >> 15, 0, 255).astype(np.uint8)
 
 
 def quantized_add(a, b, *, a_min, a_max, b_min, b_max, out_min=-INF, out_max=INF):
-    """QuantizedAdd_8p8to8, same-shape inputs -> (y, y_min, y_max). Infinite out range: nnlib finds it."""
+    """QuantizedAdd_8p8to8 -> (y, y_min, y_max); infinite out range: nnlib finds it. Broadcasting
+    inputs run as QuantizedAdd_8p8to8_d32 (``nnlib_ref.quantized_addsub_ref``)."""
     return _addsub(a, b, a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max, out_min=out_min,
                    out_max=out_max, subtract=False)
 
 
 def quantized_sub(a, b, *, a_min, a_max, b_min, b_max, out_min=-INF, out_max=INF):
-    """QuantizedSub (a - b) on the add datapath with a negative b scale (the d32 op's arithmetic)."""
+    """QuantizedSub_8p8to8 (a - b), which always runs as QuantizedSub_8p8to8_d32: the add datapath
+    with a negative b scale, the d32 range logic, broadcasting as the add."""
     return _addsub(a, b, a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max, out_min=out_min,
                    out_max=out_max, subtract=True)
 
@@ -429,25 +600,33 @@ def quantized_sub(a, b, *, a_min, a_max, b_min, b_max, out_min=-INF, out_max=INF
 # ----------------------------------------------------------------------------------------------
 
 def quantized_concat(inputs, *, axis: int, in_ranges):
-    """QuantizedConcat_8 along depth -> (y, y_min, y_max); nnlib computes the output range (union)."""
-    if axis % 4 != 3:
-        raise MaceqError(f"dsp QuantizedConcat: axis {axis} rejected (nnlib concatenates depth only)")
+    """QuantizedConcat_8 -> (y, y_min, y_max); nnlib computes the output range.
+
+    As nnlib runs it (``nnlib_ref.quantized_concat_ref``): QuantizedConcat_8_d32 (any axis,
+    zero-adjusted output range, truncated gain / offset) unless the output is 1x1 in height and
+    width, then the flat op (depth only).
+    """
     inputs = [np.asarray(t) for t in inputs]
     if len(inputs) != len(in_ranges) or not inputs:
         raise MaceqError("dsp QuantizedConcat: one (min, max) per input is needed")
+    axis %= 4
     for t in inputs:
-        if t.dtype != np.uint8 or t.ndim != 4 or t.shape[:3] != inputs[0].shape[:3]:
-            raise MaceqError("dsp QuantizedConcat: uint8 NHWC inputs with equal N, H, W expected")
-    out_min, out_max, params = r.concat_params(in_ranges)
-    codes = np.arange(256, dtype=np.int64)
-    parts = []
-    for t, (offset, gain) in zip(inputs, params):
-        if offset == 0 and gain >= 0x7FC0:
-            parts.append(t)
-            continue
-        lut = np.clip(((codes + offset) * min(gain, 32767) + (1 << 14)) >> 15, 0, 255).astype(np.uint8)
-        parts.append(lut[t])
-    return np.concatenate(parts, axis=3), out_min, out_max
+        if t.dtype != np.uint8 or t.ndim != 4 or any(t.shape[d] != inputs[0].shape[d] for d in range(4) if d != axis):
+            raise MaceqError(f"dsp QuantizedConcat: uint8 NHWC inputs equal off axis {axis} expected")
+    shape = list(inputs[0].shape)
+    shape[axis] = sum(t.shape[axis] for t in inputs)
+    if r.concat_runs_d32(shape):
+        out_min, out_max, params = r.concat_d32_params(in_ranges)
+        copy = [off == 0 and gain >= 32704 for off, gain in params]
+        luts = [np.clip((np.arange(256) * gain + off * 256 + (1 << 14)) >> 15, 0, 255) for off, gain in params]
+    else:
+        if axis != 3:
+            raise MaceqError(f"dsp QuantizedConcat: axis {axis} rejected (the flat op concatenates depth only)")
+        out_min, out_max, params = r.concat_params(in_ranges)
+        copy = [off == 0 and gain >= 0x7FC0 for off, gain in params]
+        luts = [np.clip(((np.arange(256) + off) * min(gain, 32767) + (1 << 14)) >> 15, 0, 255) for off, gain in params]
+    parts = [t if c else lut.astype(np.uint8)[t] for t, c, lut in zip(inputs, copy, luts)]
+    return np.concatenate(parts, axis=axis), out_min, out_max
 
 
 def _pool_windows(x, kernel, strides, padding, *, op):
@@ -472,27 +651,130 @@ def _padded_windows(x, kernel, strides, oh, ow, bh, bw, dtype):
 
 
 def quantized_maxpool(x, *, x_min, x_max, kernel, strides, padding):
-    """QuantizedMaxPool_8 -> (y, x_min, x_max): max of the clipped window (from 0); range copied."""
+    """QuantizedMaxPool_8 -> (y, x_min, x_max): max of the clipped window (from 0); range copied.
+    Raises where QuantizedMaxPool_8_d32 finds too little width padding (``maxpool_d32_check_width``)."""
     x, kernel, strides, oh, ow, bh, bw = _pool_windows(x, kernel, strides, padding, op="QuantizedMaxPool")
+    r.maxpool_d32_check_width(x.shape[2], kernel[1], strides[1], _resolve_padding(padding, x.shape[1:3], kernel,
+                                                                                  strides))
     win = _padded_windows(x, kernel, strides, oh, ow, bh, bw, np.uint8)  # zero padding: max starts at 0
     return win.max(axis=(4, 5)), r.f32(x_min), r.f32(x_max)
 
 
-def quantized_avgpool(x, *, x_min, x_max, kernel, strides, padding):
-    """QuantizedAvgPool_8 -> (y, x_min, x_max): ``(sum*sath(0x8000/n) + 0x4000) >> 15``, n in-bounds taps."""
+def quantized_avgpool(x, *, x_min, x_max, kernel, strides, padding, pad_lane_code=None):
+    """QuantizedAvgPool_8 as nnlib runs it (QuantizedAvgPool_8_d32) -> (y, y_min, y_max).
+
+    ``nnlib_ref.avgpool_d32_ref``: the integral-buffer plan picks the path: a 1x1 output sums
+    the window and finds a new output range from the data; 3x3 stride 1 averages over
+    zap-padded input, ``(s*3641 + 2^14) >> 15``; 2x2 with stride_w 2 replicates edges,
+    ``(s + 2) >> 2``; anything else goes through the x256 integral image with scaled edge
+    padding, a shift and a 16-bit reciprocal. Otherwise the range is the input's.
+    """
     x, kernel, strides, oh, ow, bh, bw = _pool_windows(x, kernel, strides, padding, op="QuantizedAvgPool")
-    n, h, w, _ = x.shape
-    sums = _padded_windows(x, kernel, strides, oh, ow, bh, bw, np.int64).sum(axis=(4, 5))
-    ry = np.arange(oh) * strides[0] - bh
-    rx = np.arange(ow) * strides[1] - bw
-    cnt_y = np.minimum(ry + kernel[0], h) - np.maximum(ry, 0)
-    cnt_x = np.minimum(rx + kernel[1], w) - np.maximum(rx, 0)
-    count = cnt_y[:, None] * cnt_x[None, :]
-    if (count <= 0).any():
-        raise MaceqError("dsp QuantizedAvgPool: empty window (division by zero in nnlib)")
-    recip = np.minimum(0x8000 // count, 32767)
-    y = ((sums * recip[None, :, :, None] + 0x4000) >> 15) & 0xFF
-    return y.astype(np.uint8), r.f32(x_min), r.f32(x_max)
+    mode = _resolve_padding(padding, x.shape[1:3], kernel, strides)
+    plan = r.integral_buffer_plan(x.shape[1:3], kernel, strides, mode)
+    path = r.avgpool_d32_path(plan)
+    if path == "reduce_1x1":
+        return _avgpool_reduce_1x1(x, plan, x_min, x_max, pad_lane_code)
+    y = {"3x3": _avgpool_3x3, "2x2": _avgpool_2x2, "integral": _avgpool_integral}[path](x.astype(np.int64), plan)
+    return y, r.f32(x_min), r.f32(x_max)
+
+
+def _avgpool_reduce_1x1(x, plan, x_min, x_max, pad_lane_code):
+    sums = x[:, :plan.in_h, :plan.in_w, :].astype(np.int64).sum(axis=(1, 2))  # [N, C]
+    pad = r.avgpool_pad_lane_sum(x.shape[3], plan, x_min, x_max, pad_lane_code)
+    mn, mx, offs, fac, rsh = r.avgpool_reduce_1x1_params(int(sums.min()), int(sums.max()), pad, plan, x_min, x_max)
+    d = _wrap32(2 * sums + offs)
+    v = np.clip((d * fac * 2 + 0x8000) >> 16, r.INT32_MIN, r.INT32_MAX) >> rsh
+    y = np.clip(np.clip((v + 1) >> 1, -32768, 32767), 0, 255).astype(np.uint8)
+    return y[:, None, None, :], mn, mx
+
+
+def _avgpool_3x3(x, plan):
+    """avgpool_3x3_zapped + avgpool_3x3_output, vectorised."""
+    n, _, _, c = x.shape
+    h, w = plan.in_h, plan.in_w
+    p = np.zeros((n, h + plan.pad_t + plan.pad_b, w + plan.pad_l + plan.pad_r, c), dtype=np.int64)
+    t, l = plan.pad_t, plan.pad_l
+    p[:, t:t + h, l:l + w] = x[:, :h, :w]
+    if plan.pad_t:
+        p[:, 0, l:l + w] = (x[:, 0, :w] + x[:, 1, :w] + 1) >> 1
+    if plan.pad_b:
+        p[:, t + h, l:l + w] = (x[:, h - 2, :w] + x[:, h - 1, :w] + 1) >> 1
+    if plan.pad_l or plan.pad_r:  # on every row, zapped top / bottom rows included
+        p[:, :, l - 1] = (p[:, :, l] + p[:, :, l + 1] + 1) >> 1
+        p[:, :, l + w] = (p[:, :, l + w - 1] + p[:, :, l + w - 2] + 1) >> 1
+    s = sliding_window_view(p, (3, 3), axis=(1, 2)).sum(axis=(4, 5))[:, :plan.out_h, :plan.out_w]
+    return (((s * 3641 * 2 + 0x8000) >> 16) & 0xFF).astype(np.uint8)
+
+
+def _avgpool_2x2(x, plan):
+    """avgpool_2x2_output, vectorised: clamped (replicated) rows / columns, ``(sum4 + 2) >> 2``."""
+    r0 = np.arange(plan.out_h) * plan.stride_h - plan.pad_t
+    c0 = np.arange(plan.out_w) * 2 - plan.pad_l
+    s = 0
+    for dr in (0, 1):
+        rows = np.clip(r0 + dr, 0, plan.in_h - 1)
+        for dc in (0, 1):
+            s = s + x[:, rows][:, :, np.clip(c0 + dc, 0, plan.in_w - 1)]
+    return np.clip((s + 2) >> 2, 0, 255).astype(np.uint8)
+
+
+def _mul_frac(v, scl: int):
+    return np.clip((np.asarray(v, dtype=np.int64) * scl * 2 + 0x8000) >> 16, r.INT32_MIN, r.INT32_MAX)
+
+
+def _avgpool_integral(x, plan):
+    """avgpool_integral_image + avgpool_integral_output, vectorised over batch and channels."""
+    n, _, _, c = x.shape
+    h, w, pt, pl = plan.in_h, plan.in_w, plan.pad_t, plan.pad_l
+    f = np.zeros((n, pt + h + 1 + plan.pad_b, pl + w + 1 + plan.pad_r, c), dtype=np.int64)
+    core = np.cumsum(np.cumsum(x[:, :h, :w], axis=1), axis=2) * 256
+    f[:, pt + 1:pt + h + 1, pl + 1:pl + w + 1] = _wrap32(core)
+    rows = slice(pt + 1, pt + h + 1)
+    for p in range(1, pl + 1):
+        scale = plan.scales_w[p - 1]
+        f[:, rows, pl - p] = 0 if p <= plan.infeas_w else _mul_frac(f[:, rows, pl + plan.win_w - p], scale)
+    for p in range(1, plan.pad_r + 1):
+        full = f[:, rows, pl + w]
+        delt = _wrap32(full - f[:, rows, pl + w - min(w, plan.win_w - p)])
+        f[:, rows, pl + w + p] = _wrap32(full - _mul_frac(delt, plan.scales_w[p - 1]))
+    ref = plan.win_h - plan.infeas_h - 1
+    for p in range(1, pt + 1):
+        f[:, pt - p] = 0 if p <= plan.infeas_h else _mul_frac(f[:, pt + ref], plan.scales_h[p - 1])
+        ref -= 0 if p <= plan.infeas_h else 1
+    ref = h - min(plan.win_h - 1, h)
+    for k in range(plan.pad_b):
+        full = f[:, pt + h]
+        f[:, pt + h + 1 + k] = _wrap32(full - _mul_frac(_wrap32(full - f[:, pt + ref]), plan.scales_h[k]))
+        ref += 1 if k + 1 > plan.infeas_h else 0
+    t = (np.arange(plan.out_h) * plan.stride_h)[:, None]
+    lft = (np.arange(plan.out_w) * plan.stride_w)[None, :]
+    b, rt = t + plan.win_h, lft + plan.win_w
+    area = _wrap32(_wrap32(f[:, b, rt] - f[:, t, rt]) - _wrap32(f[:, b, lft] - f[:, t, lft]))
+    rsh = plan.recip_shift
+    v = np.clip((area + ((1 << rsh) >> 1)) >> rsh, -32768, 32767)
+    v = np.clip((v * plan.recip_mant * 2 + 0x8000) >> 16, -32768, 32767)
+    return np.clip((v + 32) >> 6, 0, 255).astype(np.uint8)
+
+
+def quantized_mean(x, *, x_min, x_max, axes, out_min=None, out_max=None):
+    """QuantizedMean_8 (MACE's Reduce mean, keep dims) -> (y, y_min, y_max); ``nnlib_ref.quantized_mean_ref``.
+
+    The output range is the given one (MACE passes the op's), else the zero-adjusted input range.
+    """
+    x = np.asarray(x)
+    if x.dtype != np.uint8:
+        raise MaceqError(f"dsp QuantizedMean: expected uint8, got {x.dtype}")
+    axes = tuple(sorted({int(a) % x.ndim for a in axes}))
+    divisor = int(np.prod([x.shape[a] for a in axes])) if axes else 1
+    in_offset, out_offset, mult, shift, omin, omax = r.mean_params(x_min, x_max, out_min, out_max, divisor)
+    v = np.clip(x.astype(np.int64).sum(axis=axes, keepdims=True) - r.wrap32(in_offset * divisor),
+                r.INT32_MIN, r.INT32_MAX)
+    v = np.clip((v * mult + (1 << 30)) >> 31, r.INT32_MIN, r.INT32_MAX)
+    v = np.clip(v + (((1 << shift) >> 1) if shift <= 31 else 0), r.INT32_MIN, r.INT32_MAX) >> min(shift, 31)
+    v = np.clip(v + out_offset, r.INT32_MIN, r.INT32_MAX)
+    v = ((v + 0x8000) & 0xFFFF) - 0x8000  # vpacke: the low 16 bits
+    return np.clip(v, 0, 255).astype(np.uint8), omin, omax
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,17 +782,14 @@ def quantized_avgpool(x, *, x_min, x_max, kernel, strides, padding):
 # ----------------------------------------------------------------------------------------------
 
 def quantize(x, *, min, max):  # noqa: A002
-    """nnlib Quantize (reference) with a given range -> (q, adj_min, adj_max).
+    """nnlib ``Quantize`` (``quantize_execute_opt``) with a given range -> (q, adj_min, adj_max).
 
-    ``quantize_adjust_range`` then ``saturate_u8(roundf_i32((x - adj_min) * recip))`` in float32.
+    ``nnlib_ref.quantize_hvx_ref``: ``find_scaling_for_hvx_quant({-min, max})`` and the HVX
+    quantizer (values outside the range saturate). ``nnlib_ref.quantize_ref`` is Quantize_ref.
     """
-    mn, mx = r.f32(min), r.f32(max)
-    if not r.check_range_is_sane(mn, mx):
-        raise MaceqError(f"dsp Quantize: invalid range for quantize: {mn} ... {mx}")
-    ar = r.quantize_adjust_range(mn, mx)
     xf = np.asarray(x, dtype=np.float32)
-    q = _roundf_i32((xf - np.float32(ar.minval)) * np.float32(ar.recip_stepsize))
-    return np.clip(q, 0, 255).astype(np.uint8), ar.minval, ar.maxval
+    p = r.find_scaling_for_hvx_quant(-r.f32(min), r.f32(max))
+    return _hvx_quantize(xf, p), p.minval, p.maxval
 
 
 def quantize_input(x):
@@ -521,16 +800,19 @@ def quantize_input(x):
     lo = min(0.0, float(xf.min())) if xf.size else 0.0
     hi = max(0.0, float(xf.max())) if xf.size else 0.0
     p = r.find_scaling_for_hvx_quant(-lo if lo < 0 else 0.0, hi)
+    return _hvx_quantize(xf, p), p.minval, p.maxval
+
+
+def _hvx_quantize(xf: np.ndarray, p: r.HvxQuantParms) -> np.ndarray:
+    """``nnlib_ref.hvx_quantize_word`` on every element (quantize_floats_to_8b_asm)."""
     bits = xf.view(np.uint32).astype(np.int64)
-    e = (bits >> 23) & 0xFF
-    shift = np.minimum(p.common_exp - e, 31)
-    if (shift < 0).any():
-        raise MaceqError("dsp QuantizeINPUT: value outside the quantization range")
-    mant = ((bits & 0x7FFFFF) | 0x800000) >> shift
+    amount = np.minimum(p.common_exp - ((bits >> 23) & 0xFF), 31)
+    s = ((amount & 0x3F) ^ 0x20) - 0x20  # vlsr: 6-bit signed amount, negative shifts left
+    mant = (bits & 0x7FFFFF) | 0x800000
+    mant = np.where(s >= 0, mant >> np.clip(s, 0, 31), (mant << np.clip(-s, 0, 32)) & 0xFFFFFFFF)
     mant = np.where(bits >= 0x80000000, -mant, mant)
-    mant = _wrap32(mant + p.min_offset)
-    q = ((mant * p.scaling) & 0xFFFFFFFF) >> 24
-    return q.astype(np.uint8), p.minval, p.maxval
+    word = (_wrap32(mant + p.min_offset) * (p.scaling & 0xFFFF)) >> 16
+    return (np.clip(word, 0, 0xFFFF) >> 8).astype(np.uint8)
 
 
 def _dequant_lut(step: float, qzero: int) -> np.ndarray:

@@ -10,10 +10,17 @@
  *   const  ID B H W D FILE          const node; FILE holds the raw bytes ('-' = no data, dataLen 0)
  *   input  ID                       the INPUT node; its outputs are the 'feed' lines, in order
  *   feed   ES B H W D FILE          one execute input: element size ES bytes, shape, raw bytes
+ *                                   (without an 'input' line the feeds are passed to execute as
+ *                                   they are, for a graph whose QuantizeINPUT_f_to_8 node reads
+ *                                   them itself, as MACE's DSP runtime builds it)
  *   node   ID OPNAME PAD NIN SRC:PORT... NOUT ES:B:H:W:D...
  *                                   an op node; PAD = NA|SAME|VALID|MIRROR_REFLECT|
  *                                   MIRROR_SYMMETRIC|SAME_CAFFE or a number; output max shapes
  *   output SRC:PORT MAXBYTES        one graph output (all collected into one OUTPUT node)
+ *   outbuf MAXBYTES [FILE]          one execute output buffer NOT wired to the OUTPUT node, for a
+ *                                   graph whose DequantizeOUTPUT_8tof node writes the outputs
+ *                                   itself (MACE: 4 per output: data, min, max, flag); FILE =
+ *                                   initial contents. 'output'/'outbuf' order = output order.
  *   option NAME VALUE               hexagon_nn_set_graph_option(NAME, VALUE)
  *
  * OUTDIR/result.txt gets lines:
@@ -44,13 +51,13 @@ struct node_spec  {
 	uint32_t id; unsigned op; int pad; char name[96];
 	uint32_t nin, nout; struct input *in; struct output *out;
 };
-struct out_spec   { struct input ref; uint32_t maxbytes; };
+struct out_spec   { struct input ref; uint32_t maxbytes; int is_buf; uint8_t *init; uint32_t initlen; };
 struct opt_spec   { char name[64]; int value; };
 
 static struct const_spec consts[MAXNODES]; static int nconsts;
 static struct feed_spec feeds[64]; static int nfeeds;
 static struct node_spec nodes[MAXNODES]; static int nnodes;
-static struct out_spec outs[256]; static int nouts;
+static struct out_spec outs[MAXNODES]; static int nouts;
 static struct opt_spec opts[32]; static int nopts;
 static uint32_t input_id; static int have_input;
 static uint32_t max_id;
@@ -195,9 +202,17 @@ static void parse_spec(const char *path)
 			for (uint32_t i = 0; i < n->nout; i++) n->out[i] = outdef(tok[k + i], ln);
 		} else if (!strcmp(tok[0], "output")) {
 			if (nt != 3) die("output wants 2 fields%s", "", ln);
-			if (nouts >= 256) die("too many outputs%s", "", ln);
+			if (nouts >= MAXNODES) die("too many outputs%s", "", ln);
 			outs[nouts].ref = ref(tok[1], ln);
 			outs[nouts].maxbytes = num(tok[2], ln);
+			nouts++;
+		} else if (!strcmp(tok[0], "outbuf")) {
+			if (nt != 2 && nt != 3) die("outbuf wants 1 or 2 fields%s", "", ln);
+			if (nouts >= MAXNODES) die("too many outputs%s", "", ln);
+			outs[nouts].is_buf = 1;
+			outs[nouts].maxbytes = num(tok[1], ln);
+			if (nt == 3) outs[nouts].init = read_file(tok[2], &outs[nouts].initlen, ln);
+			if (outs[nouts].initlen > outs[nouts].maxbytes) die("outbuf %s: file larger than MAXBYTES", tok[2], ln);
 			nouts++;
 		} else if (!strcmp(tok[0], "option")) {
 			if (nt != 3 || nopts >= 32) die("bad option line%s", "", ln);
@@ -209,7 +224,6 @@ static void parse_spec(const char *path)
 		}
 	}
 	fclose(f);
-	if (nfeeds && !have_input) die("feed lines need an 'input' line%s", "", 0);
 }
 
 static double now_s(void)
@@ -303,12 +317,14 @@ int main(int argc, char **argv)
 		rc = hexagon_nn_append_node(id, n->id, n->op, n->pad, n->in, n->nin, n->out, n->nout);
 		if (rc) { fprintf(result, "append node %u %s fail %d\n", n->id, n->name, rc); dump_log(id); return 2; }
 	}
-	if (nouts) {
+	int nwired = 0;
+	struct input *in = xalloc(sizeof(struct input) * (nouts + 1));
+	for (int i = 0; i < nouts; i++)
+		if (!outs[i].is_buf) in[nwired++] = outs[i].ref;
+	if (nwired) {
 		unsigned op;
-		struct input *in = xalloc(sizeof(struct input) * nouts);
-		for (int i = 0; i < nouts; i++) in[i] = outs[i].ref;
 		hexagon_nn_op_name_to_id("OUTPUT", &op);
-		rc = hexagon_nn_append_node(id, max_id + 1, op, NN_PAD_NA, in, nouts, NULL, 0);
+		rc = hexagon_nn_append_node(id, max_id + 1, op, NN_PAD_NA, in, nwired, NULL, 0);
 		if (rc) { fprintf(result, "append OUTPUT fail %d\n", rc); dump_log(id); return 2; }
 	}
 
@@ -334,6 +350,7 @@ int main(int argc, char **argv)
 	for (int i = 0; i < nouts; i++) {
 		tout[i].data = xalloc(outs[i].maxbytes);
 		tout[i].dataLen = outs[i].maxbytes;
+		if (outs[i].init) memcpy(tout[i].data, outs[i].init, outs[i].initlen);
 	}
 	double t2 = now_s();
 	for (int it = 0; it < iters; it++) {

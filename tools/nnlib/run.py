@@ -422,42 +422,15 @@ def _rand_range(rng, lo=-4.0, hi=4.0):
 
 
 def patch_maceq(K):
-    """Monkeypatch two maceq deviations found with this tool (a hypothesis check, not a fix):
+    """No-op kept for ``--patch-maceq``: the two deviations it used to monkeypatch are fixed in maceq.
 
-    1. ``nnlib_ref.addsub_execute`` pads a self-found QuantizedAdd/Sub range with
-       ``fmul(0.15, out_range)`` (0.15 as a double); op_add.c has ``0.15f * out_range``.
-    2. ``dsp.supernode(variant=D32)`` starts an open (-inf/+inf) output range from the
-       depthwise defaults (-0.125, 0.125); Supernode_8x8p32to8_d32 uses (0.0, 0.5) and
-       InputSupernode_8x8p32to8_outd32 (what prepare picks for filter depth <= 4 and stride
-       width <= 4) uses (-1/128, 1/128) (op_supernode_new.c, ``setup_initial_output_range``).
-    Not patched (see README): DepthwiseSupernode's open-range retry sees junk outputs, and
-    Supernode's bias buffer is rounded to float32.
-    Returns a function that undoes the patches.
+    1. ``nnlib_ref.addsub_execute`` now pads a self-found QuantizedAdd/Sub range with
+       ``0.15f * out_range`` (op_add.c ``check_addsub_need_rerun``).
+    2. ``dsp.supernode(variant=D32)`` starts an open output range at the node's own defaults
+       (``nnlib_ref.D32Node``: Supernode_8x8p32to8_d32 (0, 0.5), InputSupernode (-1/128, 1/128)).
+    Returns a function that undoes nothing.
     """
-    from maceq.runtime.kernels import nnlib_ref as R
-
-    fmul0, setup0, sn0 = R.fmul, R.setup_initial_output_range, K.supernode
-
-    def fmul(a, b):
-        if type(a) is float and a == 0.15:
-            a = R.f32(0.15)
-        return fmul0(a, b)
-
-    def supernode(x, w, *a, **k):
-        st = k.get("strides", (1, 1))
-        lo, hi = (-1.0 / 128, 1.0 / 128) if np.asarray(w).shape[2] <= 4 and int(st[1]) <= 4 else (0.0, 0.5)
-        R.setup_initial_output_range = lambda mn, mx, *_: setup0(mn, mx, lo, hi)
-        try:
-            return sn0(x, w, *a, **k)
-        finally:
-            R.setup_initial_output_range = setup0
-
-    R.fmul, K.supernode = fmul, supernode
-
-    def undo():
-        R.fmul, R.setup_initial_output_range, K.supernode = fmul0, setup0, sn0
-
-    return undo
+    return lambda: None
 
 
 def demo(seed=0, n_add=12, n_conv=12, n_dw=8, harness=None, verbose=True, save_dir=None, patch=False):
@@ -660,6 +633,398 @@ def summary(groups) -> list:
     return lines
 
 
+# ----------------------------------------------------------------------------------------------
+# More single-op helpers (MACE's other dsp ops) and their comparison with maceq
+# ----------------------------------------------------------------------------------------------
+
+def _run_single(g, node, out_shape, es, prepare_only, kw, what, n_ranges=2):
+    """Outputs of ``node``: port 0 (``out_shape``, element size ``es``) and ``n_ranges`` float scalars."""
+    g.output((node, 0), es * math.prod(_shape4(out_shape)))
+    for p in range(1, 1 + n_ranges):
+        g.output((node, p), 4)
+    res = run_graph(g, prepare_only=prepare_only, **kw)
+    if prepare_only:
+        return res.prepared, res
+    _check(res, what, False)
+    y = res.array(0, np.uint8 if es == 1 else np.float32).reshape(out_shape)
+    return (y, *(res.scalar(p) for p in range(1, 1 + n_ranges)), res)
+
+
+def quantized_concat(inputs, in_ranges, *, axis=3, op="QuantizedConcat_8", prepare_only=False, **kw):
+    """QuantizedConcat_8 as MACE emits it: (dim, x0..xn-1, min0..minn-1, max0..maxn-1).
+
+    nnlib's prepare turns it into QuantizedConcat_8_d32 (depth32_replacement_op).
+    Returns (y, y_min, y_max, Result)."""
+    inputs = [np.asarray(t, np.uint8) for t in inputs]
+    g = Graph()
+    feeds = [g.feed(t) for t in inputs]
+    dim = g.const(np.array([axis], np.int32), (1, 1, 1, 1))
+    oshape = (*_shape4(inputs[0].shape)[:3], sum(int(t.shape[-1]) for t in inputs))
+    n = g.node(op, [dim, *feeds, *(g.scalar(mn) for mn, _ in in_ranges), *(g.scalar(mx) for _, mx in in_ranges)],
+               [(1, oshape), _F, _F])
+    return _run_single(g, n, oshape, 1, prepare_only, kw, op)
+
+
+def quantized_pool(op, x, *, x_min, x_max, kernel, strides, padding, prepare_only=False, **kw):
+    """QuantizedMaxPool_8 / QuantizedAvgPool_8: (x, min, max, window [1,kh,kw,1], strides [1,sh,sw,1]).
+
+    Window and strides are shape-only consts, as MACE's converter writes them (add_arg_const_node
+    gives them data too; nnlib reads only the shape). Prepare makes them _d32 ops."""
+    x = np.asarray(x, np.uint8)
+    g = Graph()
+    ix = g.feed(x)
+    oh, ow = _conv_out_hw(x.shape[1], x.shape[2], kernel[0], kernel[1], strides[0], strides[1], padding)
+    oshape = (x.shape[0], oh, ow, x.shape[3])
+    n = g.node(op, [ix, g.scalar(x_min), g.scalar(x_max), g.empty_const((1, kernel[0], kernel[1], 1)),
+                    g.empty_const((1, strides[0], strides[1], 1))], [(1, oshape), _F, _F], padding=padding)
+    return _run_single(g, n, oshape, 1, prepare_only, kw, op)
+
+
+def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-math.inf, out_max=math.inf,
+            op="SuperFC_8x8p32to8", prepare_only=False, **kw):
+    """SuperFC_8x8p32to8 (MACE FullyConnected): x [N, K] (fed as N x 1 x 1 x K), w [K, O] (const
+    1 x 1 x K x O), bias int32 [O]; inputs in MACE's order (x, w, x min/max, w min/max, bias,
+    bias min/max, out min/max). ``op="SuperFC_8x8p32to8_ref"`` runs superfc_execute_ref."""
+    x = np.asarray(x, np.uint8)
+    w = np.asarray(w, np.uint8)
+    bias = np.asarray(bias, np.int32).reshape(-1)
+    nb, k = x.shape
+    o = w.shape[1]
+    g = Graph()
+    ix = g.feed(x.reshape(nb, 1, 1, k))
+    n = g.node(op, [ix, g.const(w, (1, 1, k, o)), g.scalar(x_min), g.scalar(x_max), g.scalar(w_min),
+                    g.scalar(w_max), g.const(bias, (1, 1, 1, o)), g.scalar(bias_min), g.scalar(bias_max),
+                    g.scalar(out_min), g.scalar(out_max)], [(1, (1, 1, nb, o)), _F, _F])
+    return _run_single(g, n, (nb, o), 1, prepare_only, kw, op)
+
+
+def quantize_op(xf, *, x_min=None, x_max=None, op="Quantize", prepare_only=False, **kw):
+    """nnlib Quantize / Quantize_ref (x float, min, max) or AutoQuantize (x float; range from the
+    data, ``autoquantize_execute_opt``: the arithmetic QuantizeINPUT_f_to_8 applies to MACE's
+    graph input through hexagon_nn_execute_new). Returns (q, min, max, Result)."""
+    xf = np.asarray(xf, np.float32)
+    g = Graph()
+    ix = g.feed(xf)
+    ins = [ix] if x_min is None else [ix, g.scalar(x_min), g.scalar(x_max)]
+    n = g.node(op, ins, [(1, xf.shape), _F, _F])
+    return _run_single(g, n, xf.shape, 1, prepare_only, kw, op)
+
+
+def dequantize_op(q, *, q_min, q_max, op="Dequantize", prepare_only=False, **kw):
+    """nnlib Dequantize (q, min, max) -> float32 (``dequantize_execute``: hvx_do_dequantize, the
+    arithmetic of DequantizeOUTPUT_8tof). Returns (y, Result)."""
+    q = np.asarray(q, np.uint8)
+    g = Graph()
+    n = g.node(op, [g.feed(q), g.scalar(q_min), g.scalar(q_max)], [(4, q.shape)])
+    r = _run_single(g, n, q.shape, 4, prepare_only, kw, op, n_ranges=0)
+    return r
+
+
+def conv_then_avgpool(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min, out_max, kernel,
+                      strides, padding, prepare_only=False, **kw):
+    """Supernode_8x8p32to8 (1x1, stride 1, fixed output range) feeding QuantizedAvgPool_8 through its
+    min / max ports, as in a MACE graph: both run as d32 ops, so the pool's input depth padding
+    holds what the Supernode wrote there (its padded filters' outputs). Returns the pool's
+    (y, y_min, y_max, Result)."""
+    x = np.asarray(x, np.uint8)
+    n, h, wd, _ = x.shape
+    o = np.asarray(w).shape[3]
+    g = Graph()
+    conv = g.node("Supernode_8x8p32to8", [g.feed(x), g.const(np.asarray(w, np.uint8)), g.scalar(x_min), g.scalar(x_max),
+                                          g.scalar(w_min), g.scalar(w_max), g.empty_const((1, 1, 1, 1)),
+                                          g.const(np.asarray(bias, np.int32), (1, 1, 1, o)), g.scalar(bias_min),
+                                          g.scalar(bias_max), g.scalar(out_min), g.scalar(out_max)],
+                  [(1, (n, h, wd, o)), _F, _F], padding="SAME")
+    oh, ow = _conv_out_hw(h, wd, kernel[0], kernel[1], strides[0], strides[1], padding)
+    oshape = (n, oh, ow, o)
+    pool = g.node("QuantizedAvgPool_8", [conv, (conv, 1), (conv, 2), g.empty_const((1, kernel[0], kernel[1], 1)),
+                                         g.empty_const((1, strides[0], strides[1], 1))], [(1, oshape), _F, _F],
+                  padding=padding)
+    return _run_single(g, pool, oshape, 1, prepare_only, kw, "Supernode -> QuantizedAvgPool_8")
+
+
+def demo_global_avgpool(seed=0, n=20, harness=None, verbose=True):
+    """Global average pooling (1x1 output: avgpool_reduce_to_1x1, a range found from the data) after
+    a d32 conv, vs maceq's dsp.supernode(D32) then dsp.quantized_avgpool -> {group: [Cmp...]}."""
+    from maceq.runtime.kernels import dsp as K
+    rng = np.random.default_rng(seed)
+    groups: dict = {}
+    for _ in range(n):
+        nb, h, wd, c = int(rng.choice([1, 1, 2])), int(rng.integers(1, 10)), int(rng.integers(1, 10)), int(
+            rng.choice([8, 16, 32, 33, 40]))
+        o = int(rng.choice([3, 8, 32, 33, 40, 64]))
+        x = rng.integers(0, 256, (nb, h, wd, c), dtype=np.uint8)
+        w = rng.integers(0, 256, (1, 1, c, o), dtype=np.uint8)
+        (xmin, xmax), (wmin, wmax) = _mace_range(rng, -2, 2), _mace_range(rng, -1, 1)
+        bias, bmin, bmax = K.mace_quantize_bias(rng.normal(0, 1, o))
+        from maceq.runtime.kernels.dsp import mace_adjust_range_for_hexagon as adj
+        scale = math.sqrt(c) * max(abs(xmin), xmax) * max(abs(wmin), wmax) * 0.3
+        omin, omax = adj(-scale * float(rng.uniform(0, 1)), scale)[:2]
+        kernel, strides, pad = ((h, wd), (1, 1), "VALID") if rng.random() < 0.5 else ((h, wd), (h, wd), "SAME")
+        cargs = dict(x_min=xmin, x_max=xmax, w_min=wmin, w_max=wmax, bias_min=bmin, bias_max=bmax, out_min=omin,
+                     out_max=omax)
+        r = _try(lambda: conv_then_avgpool(x, w, bias, **cargs, kernel=kernel, strides=strides, padding=pad,
+                                           harness=harness))
+
+        def want():
+            y, mn, mx = K.supernode(x, w, bias, **cargs, strides=(1, 1), padding="SAME", variant=K.SupernodeVariant.D32)
+            return K.quantized_avgpool(y, x_min=mn, x_max=mx, kernel=kernel, strides=strides, padding=pad)
+        _cmp_add(groups, "Supernode -> QuantizedAvgPool_8 (global)", f"{(nb, h, wd, c)} o{o} k{kernel} {pad}", r,
+                 _try(want), verbose)
+    return groups
+
+
+def quantized_mean(x, *, x_min, x_max, axes, out_min=None, out_max=None, prepare_only=False, **kw):
+    """QuantizedMean_8 as MACE emits it for Reduce (mean, keep dims): (x, min, max, axes int32[n],
+    out_min, out_max); without out_min/out_max the 4-input form. Returns (y, y_min, y_max, Result)."""
+    x = np.asarray(x, np.uint8)
+    g = Graph()
+    ins = [g.feed(x), g.scalar(x_min), g.scalar(x_max), g.const(np.asarray(axes, np.int32), (1, 1, 1, len(axes)))]
+    if out_min is not None:
+        ins += [g.scalar(out_min), g.scalar(out_max)]
+    oshape = tuple(1 if d in {a % 4 for a in axes} else n for d, n in enumerate(_shape4(x.shape)))
+    n = g.node("QuantizedMean_8", ins, [(1, oshape), _F, _F])
+    return _run_single(g, n, oshape, 1, prepare_only, kw, "QuantizedMean_8")
+
+
+def demo_mean(seed=0, n=20, harness=None, verbose=True):
+    """QuantizedMean_8 vs maceq's dsp.quantized_mean -> {group: [Cmp...]}."""
+    from maceq.runtime.kernels import dsp as K
+    rng = np.random.default_rng(seed)
+    groups: dict = {}
+    for _ in range(n):
+        shape = (int(rng.choice([1, 2])), int(rng.integers(1, 12)), int(rng.integers(1, 12)),
+                 int(rng.choice([1, 8, 33, 64])))
+        axes = [[1, 2], [1, 2], [2], [1], [3], [1, 2, 3]][int(rng.integers(0, 6))]
+        x = rng.integers(0, 256, shape, dtype=np.uint8)
+        xmin, xmax = _mace_range(rng)
+        out = [(None, None), _mace_range(rng), (0.0, float(rng.uniform(0.1, 6)))][int(rng.integers(0, 3))]
+        args = dict(x_min=xmin, x_max=xmax, axes=axes, out_min=out[0], out_max=out[1])
+        r = _try(lambda: quantized_mean(x, **args, harness=harness))
+        _cmp_add(groups, "QuantizedMean_8", f"{shape} axes={axes} out={out}", r,
+                 _try(lambda: K.quantized_mean(x, **args)), verbose)
+    return groups
+
+
+def _ops_of(res):
+    return "/".join(o for o in res.ops() if o not in ("INPUT", "OUTPUT")) if res else "-"
+
+
+def _cmp_add(groups, group, name, r, want, verbose, ranges=True):
+    """Record one comparison: r is nnlib's (y, min, max, Result) or an Exception."""
+    res = None if isinstance(r, Exception) else r[-1]
+    got = r if isinstance(r, Exception) else (r[:3] if ranges else (r[0], 0.0, 0.0))
+    if not ranges and not isinstance(want, Exception):
+        want = (want[0], 0.0, 0.0)
+    c = compare(f"{name} [{_ops_of(res)}]", got, want)
+    groups.setdefault(group, []).append(c)
+    if verbose:
+        print(f"[{group}] {c.line()}" + (f" ({res.wall_s:.2f}s)" if res is not None else ""), flush=True)
+    return c
+
+
+def _mace_range(rng, lo=-4.0, hi=4.0):
+    """A random range, half the time adjusted as MACE's converter does (integral zero)."""
+    mn, mx = _rand_range(rng, lo, hi)
+    if rng.random() < 0.5:
+        from maceq.runtime.kernels import dsp as K
+        mn, mx = K.mace_adjust_range_for_hexagon(mn, mx)[:2]
+    return float(mn), float(mx)
+
+
+def _out_kind(rng, scale):
+    kind = str(rng.choice(["fixed", "fixed", "relu", "inf", "min-given", "max-given"]))
+    return kind, {"fixed": (-scale, scale), "relu": (0.0, scale), "inf": (-math.inf, math.inf),
+                  "min-given": (-scale, math.inf), "max-given": (-math.inf, scale)}[kind]
+
+
+def demo_conv_sweep(seed=0, n_conv=20, n_dw=12, harness=None, verbose=True):
+    """Supernode / DepthwiseSupernode on wider geometry than ``demo``: any input depth (InputSupernode,
+    the flat op for odd stride widths), rectangular kernels, strides up to 4, SAME_CAFFE, batch 2,
+    output ranges with one end given, bias scales up to 100x (``fill_bias_buf``'s float32 rounding)."""
+    from maceq.runtime.kernels import dsp as K
+    rng = np.random.default_rng(seed)
+    groups: dict = {}
+    for i in range(n_conv):
+        c = int(rng.choice([1, 2, 3, 4, 5, 8, 16, 31, 32, 33, 48, 64]))
+        kh, kw = (int(v) for v in rng.choice([1, 2, 3, 5, 7], 2))
+        sh, sw = (int(v) for v in rng.integers(1, 5, 2))
+        pad = str(rng.choice(["SAME", "VALID", "SAME_CAFFE"]))
+        n, h, wd = int(rng.choice([1, 1, 2])), int(rng.integers(max(kh, 2), 14)), int(rng.integers(max(kw, 2), 14))
+        o = int(rng.choice([1, 8, 32, 33, 64]))
+        x = rng.integers(0, 256, (n, h, wd, c), dtype=np.uint8)
+        w = rng.integers(0, 256, (kh, kw, c, o), dtype=np.uint8)
+        (xmin, xmax), (wmin, wmax) = _mace_range(rng, -2, 2), _mace_range(rng, -1, 1)
+        bias, bmin, bmax = K.mace_quantize_bias(rng.normal(0, float(10 ** rng.uniform(-1, 2)), o))
+        scale = math.sqrt(kh * kw * c) * max(abs(xmin), xmax) * max(abs(wmin), wmax) * 0.3
+        kind, (omin, omax) = _out_kind(rng, scale)
+        args = dict(x_min=xmin, x_max=xmax, w_min=wmin, w_max=wmax, bias_min=bmin, bias_max=bmax, out_min=omin,
+                    out_max=omax, strides=(sh, sw), padding=pad)
+        r = _try(lambda: supernode(x, w, bias, harness=harness, **args))
+        want = _try(lambda: K.supernode(x, w, bias, variant=K.SupernodeVariant.D32, **args))
+        # prepare.c: InputSupernode for depth <= 4 and stride_w <= 4 (flat for odd stride_w > 1), else _d32
+        node = ("Supernode_8x8p32to8_d32" if c > 4 or sw > 4 else
+                "flat Supernode_8x8p32to8" if sw > 1 and sw % 2 else "InputSupernode_8x8p32to8_outd32")
+        _cmp_add(groups, f"Supernode_8x8p32to8 sweep vs maceq d32 [{node}]",
+                 f"{(n, h, wd, c)} k{kh}x{kw} o{o} s{sh}x{sw} {pad} out={kind}", r, want, verbose)
+    for i in range(n_dw):
+        c = int(rng.choice([1, 3, 4, 8, 31, 32, 33, 40, 64, 96]))
+        kh, kw = int(rng.choice([2, 3, 3, 5, 7])), int(rng.choice([3, 3, 5, 7]))
+        sh, sw = int(rng.integers(1, 4)), int(rng.integers(1, 3))
+        pad = str(rng.choice(["SAME", "VALID", "SAME_CAFFE"]))
+        n, h, wd = int(rng.choice([1, 1, 2])), int(rng.integers(kh, 15)), int(rng.integers(kw, 15))
+        x = rng.integers(0, 256, (n, h, wd, c), dtype=np.uint8)
+        w = rng.integers(0, 256, (kh, kw, c, 1), dtype=np.uint8)
+        (xmin, xmax), (wmin, wmax) = _mace_range(rng, -2, 2), _mace_range(rng, -1, 1)
+        bias, bmin, bmax = K.mace_quantize_bias(rng.normal(0, float(10 ** rng.uniform(-1, 1.5)), c))
+        kind, (omin, omax) = _out_kind(rng, kh * max(abs(xmin), xmax) * max(abs(wmin), wmax) * 0.5)
+        args = dict(x_min=xmin, x_max=xmax, w_min=wmin, w_max=wmax, bias_min=bmin, bias_max=bmax, out_min=omin,
+                    out_max=omax, strides=(sh, sw), padding=pad)
+        r = _try(lambda: depthwise_supernode(x, w, bias, harness=harness, **args))
+        want = _try(lambda: K.depthwise_supernode(x, w, bias, **args))
+        _cmp_add(groups, "DepthwiseSupernode_8x8p32to8 sweep",
+                 f"{(n, h, wd, c)} k{kh}x{kw} s{sh}x{sw} {pad} out={kind}", r, want, verbose)
+    return groups
+
+
+def demo_ops(seed=0, n=10, harness=None, verbose=True):
+    """QuantizedConcat_8, QuantizedMax/AvgPool_8, SuperFC_8x8p32to8 (+ _ref), Quantize (+ _ref),
+    AutoQuantize and Dequantize on random inputs vs maceq's dsp kernels -> {group: [Cmp...]}."""
+    from maceq.runtime.kernels import dsp as K
+    rng = np.random.default_rng(seed)
+    kw = dict(harness=harness)
+    groups: dict = {}
+    for _ in range(n):
+        _demo_concat(K, rng, groups, kw, verbose)
+        _demo_pools(K, rng, groups, kw, verbose)
+        _demo_superfc(K, rng, groups, kw, verbose)
+        _demo_quantize(K, rng, groups, kw, verbose)
+    return groups
+
+
+def _demo_concat(K, rng, groups, kw, verbose):
+    nb, h, w = int(rng.choice([1, 1, 2])), int(rng.integers(1, 9)), int(rng.integers(1, 9))
+    depths = [int(rng.choice([1, 3, 8, 32, 33, 40, 64])) for _ in range(int(rng.integers(1, 5)))]
+    parts = [rng.integers(0, 256, (nb, h, w, d), dtype=np.uint8) for d in depths]
+    rngs = [_mace_range(rng) for _ in parts]
+    if rng.random() < 0.3:
+        rngs = [rngs[0]] * len(parts)  # unity gain: the copy path
+    r = _try(lambda: quantized_concat(parts, rngs, **kw))
+    want = _try(lambda: K.quantized_concat(parts, axis=3, in_ranges=rngs))
+    _cmp_add(groups, "QuantizedConcat_8", f"{(nb, h, w)} depths={depths}", r, want, verbose)
+
+
+def _demo_pools(K, rng, groups, kw, verbose):
+    nb, h, w, c = int(rng.choice([1, 1, 2])), int(rng.integers(1, 14)), int(rng.integers(1, 14)), int(
+        rng.choice([1, 3, 8, 32, 33, 64, 100]))
+    kernel = (int(rng.integers(1, 5)), int(rng.integers(1, 5))) if rng.random() < 0.8 else (h, w)
+    strides = (int(rng.integers(1, 4)), int(rng.integers(1, 4)))
+    pad = str(rng.choice(["SAME", "VALID"]))
+    x = rng.integers(0, 256, (nb, h, w, c), dtype=np.uint8)
+    if c % 32:  # a 1x1 avgpool output's range sees the depth-padding lanes, which Convert_to_d32 fills with
+        c = max(c, 2)  # the following bytes: give the real channels the extreme sums (demo_global_avgpool
+        x = rng.integers(0, 256, (nb, h, w, c), dtype=np.uint8)  # checks the padding after a d32 conv)
+        x[..., 0], x[..., -1] = 0, 255
+    xmin, xmax = _mace_range(rng)
+    args = dict(x_min=xmin, x_max=xmax, kernel=kernel, strides=strides, padding=pad)
+    for op, fn in (("QuantizedMaxPool_8", K.quantized_maxpool), ("QuantizedAvgPool_8", K.quantized_avgpool)):
+        r = _try(lambda: quantized_pool(op, x, **args, **kw))
+        want = _try(lambda: fn(x, **args))
+        _cmp_add(groups, op, f"{x.shape} k{kernel} s{strides} {pad}", r, want, verbose)
+
+
+def _demo_superfc(K, rng, groups, kw, verbose):
+    nb, k, o = int(rng.integers(1, 6)), int(rng.choice([16, 32, 40, 48, 64, 96, 128, 160])), int(
+        rng.choice([1, 8, 32, 33, 70]))
+    x = rng.integers(0, 256, (nb, k), dtype=np.uint8)
+    w = rng.integers(0, 256, (k, o), dtype=np.uint8)
+    (xmin, xmax), (wmin, wmax) = _mace_range(rng, -2, 2), _mace_range(rng, -1, 1)
+    bias, bmin, bmax = K.mace_quantize_bias(rng.normal(0, float(10 ** rng.uniform(-1, 1.5)), o))
+    kind, (omin, omax) = _out_kind(rng, math.sqrt(k) * max(abs(xmin), xmax) * max(abs(wmin), wmax) * 0.3)
+    args = dict(x_min=xmin, x_max=xmax, w_min=wmin, w_max=wmax, bias_min=bmin, bias_max=bmax, out_min=omin,
+                out_max=omax)
+    name = f"n{nb} k{k} o{o} out={kind}"
+    r = _try(lambda: superfc(x, w, bias, **args, **kw))
+    _cmp_add(groups, "SuperFC_8x8p32to8 vs dsp.superfc", name, r, _try(lambda: K.superfc(x, w, bias, **args)),
+             verbose)
+    r = _try(lambda: superfc(x, w, bias, op="SuperFC_8x8p32to8_ref", **args, **kw))
+    _cmp_add(groups, "SuperFC_8x8p32to8_ref vs nnlib_ref.superfc_ref", name, r,
+             _try(lambda: K.r.superfc_ref(x, w, bias, **args)), verbose)
+
+
+def _demo_quantize(K, rng, groups, kw, verbose):
+    scale = float(10 ** rng.uniform(-3, 2))
+    shape = (1, int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.choice([1, 3, 32, 33])))
+    xf = (rng.normal(size=shape) * scale).astype(np.float32)
+    if rng.random() < 0.2:
+        xf = np.abs(xf)
+    lo, hi = -float(rng.uniform(0.01, 3)) * scale, float(rng.uniform(0.01, 3)) * scale
+    for op, fn, name in (("Quantize", K.quantize, "dsp.quantize"),
+                         ("Quantize_ref", K.r.quantize_ref, "nnlib_ref.quantize_ref")):
+        r = _try(lambda: quantize_op(xf, x_min=lo, x_max=hi, op=op, **kw))
+        _cmp_add(groups, f"{op} vs {name}", f"{shape} scale={scale:.3g}", r,
+                 _try(lambda: fn(xf, min=lo, max=hi)), verbose)
+    r = _try(lambda: quantize_op(xf, op="AutoQuantize", **kw))
+    _cmp_add(groups, "AutoQuantize (QuantizeINPUT_f_to_8's arithmetic) vs dsp.quantize_input",
+             f"{shape} scale={scale:.3g}", r, _try(lambda: K.quantize_input(xf)), verbose)
+    q = rng.integers(0, 256, shape, dtype=np.uint8)
+    r = _try(lambda: dequantize_op(q, q_min=lo, q_max=hi, **kw))
+    got = r if isinstance(r, Exception) else (r[0].view(np.uint32), 0.0, 0.0, r[-1])
+    want = _try(lambda: (K.dequantize(q, min=lo, max=hi).view(np.uint32), 0.0, 0.0))
+    _cmp_add(groups, "Dequantize (DequantizeOUTPUT_8tof's arithmetic) vs dsp.dequantize, float bits",
+             f"{shape} range=({lo:.3g}, {hi:.3g})", got, want, verbose)
+
+
+def _bcast_shapes(rng):
+    """Two 4-D shapes one broadcasts onto the other (either direction), or both all-ones."""
+    full = [int(rng.choice([1, 2])), int(rng.integers(1, 8)), int(rng.integers(1, 8)), int(rng.choice([1, 3, 16, 32, 40]))]
+    small = [d if rng.random() < 0.4 else 1 for d in full]
+    if rng.random() < 0.15:
+        small = [1, 1, 1, 1]
+    if small == full:
+        small[3] = 1 if full[3] > 1 else small[3]
+        full[3] = max(full[3], 2)
+    return (tuple(small), tuple(full)) if rng.random() < 0.4 else (tuple(full), tuple(small))
+
+
+def demo_addsub_more(seed=0, n=10, harness=None, verbose=True):
+    """QuantizedAdd/Sub beyond ``demo``: broadcasting inputs (prepare makes them _d32 ops whatever the
+    producers; B broadcasts onto A or A onto B; one value with both ends open is the 1111 scaled
+    copy) and same-shape adds with one output end given, flat and d32 (the two range logics
+    differ there) -> {group: [Cmp...]}."""
+    from maceq.runtime.kernels import dsp as K
+    from maceq.runtime.kernels import nnlib_ref as R
+    rng = np.random.default_rng(seed)
+    groups: dict = {}
+    for _ in range(n):
+        sa, sb = _bcast_shapes(rng)
+        a, b = rng.integers(0, 256, sa, dtype=np.uint8), rng.integers(0, 256, sb, dtype=np.uint8)
+        (amin, amax), (bmin, bmax) = _mace_range(rng), _mace_range(rng)
+        kind, (omin, omax) = _out_kind(rng, float(rng.uniform(1, 8)))
+        args = dict(a_min=amin, a_max=amax, b_min=bmin, b_max=bmax, out_min=omin, out_max=omax)
+        name = f"{sa} {sb} out={kind}"
+        for op, fn, nf in (("QuantizedAdd_8p8to8", K.quantized_add, quantized_add),
+                           ("QuantizedSub_8p8to8", K.quantized_sub, quantized_sub)):
+            _cmp_add(groups, f"{op} broadcast vs dsp", name, _try(lambda: nf(a, b, **args, harness=harness)),
+                     _try(lambda: fn(a, b, **args)), verbose)
+        shape = sa if np.prod(sa) >= np.prod(sb) else sb
+        a, b = rng.integers(0, 256, shape, dtype=np.uint8), rng.integers(0, 256, shape, dtype=np.uint8)
+        kind = str(rng.choice(["min-given", "max-given", "inf"]))
+        omin, omax = {"min-given": (omin, math.inf), "max-given": (-math.inf, omax), "inf": (-math.inf, math.inf)}[
+            kind] if math.isfinite(omin) and math.isfinite(omax) else (omin, omax)
+        args = dict(a_min=amin, a_max=amax, b_min=bmin, b_max=bmax, out_min=omin, out_max=omax)
+        name = f"{shape} out=({omin:.3g}, {omax:.3g})"
+        for d32 in (False, True):
+            want = _try(lambda: R.addsub_execute(core=R._addsub_scalar_core(a.ravel(), b.ravel(), a.shape), d32=d32,
+                                                 subtract=False, **args))
+            _cmp_add(groups, f"QuantizedAdd_8p8to8{'_d32' if d32 else ''} same shape vs addsub_execute(d32={d32})",
+                     name, _try(lambda: quantized_add(a, b, **args, d32=d32, harness=harness)), want, verbose)
+        _cmp_add(groups, "QuantizedSub_8p8to8 same shape (open ends) vs dsp", name,
+                 _try(lambda: quantized_sub(a, b, **args, harness=harness)), _try(lambda: K.quantized_sub(a, b, **args)),
+                 verbose)
+    return groups
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -673,7 +1038,11 @@ if __name__ == "__main__":
     ap.add_argument("--save-diffs", default=None, metavar="DIR", help="save differing configurations as .npz")
     ap.add_argument("--accept", action="store_true", help="also run the conv acceptance sweep")
     ap.add_argument("--patch-maceq", action="store_true",
-                    help="monkeypatch the two maceq deviations found so far (see patch_maceq) before comparing")
+                    help="no-op kept for compatibility (the two deviations it patched are fixed in maceq)")
+    ap.add_argument("--more", type=int, default=0, metavar="N",
+                    help="also run N configurations of each extra comparison: demo_conv_sweep (wider conv / "
+                         "depthwise geometry), demo_ops (concat, pools, SuperFC, Quantize, Dequantize), "
+                         "demo_global_avgpool, demo_mean, demo_addsub_more (broadcasting and half-open adds)")
     args = ap.parse_args()
     try:
         t0 = time.perf_counter()
@@ -686,6 +1055,14 @@ if __name__ == "__main__":
                                           ", maceq patched" if args.patch_maceq else ""))
     for ln in summary(gr):
         print("  " + ln)
+    if args.more:
+        more = {}
+        for f, kw in ((demo_conv_sweep, dict(n_conv=args.more, n_dw=args.more)), (demo_ops, dict(n=args.more)),
+                      (demo_global_avgpool, dict(n=args.more)), (demo_mean, dict(n=args.more)),
+                      (demo_addsub_more, dict(n=args.more))):
+            more.update(f(seed=args.seed, harness=args.harness, verbose=not args.quiet, **kw))
+        for ln in summary(more):
+            print("  " + ln)
     if args.accept:
         acc = acceptance(harness=args.harness, verbose=not args.quiet)
         dis = [a for a in acc if a[1] != a[2]]
