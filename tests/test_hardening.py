@@ -1,4 +1,4 @@
-"""Hardening (issue #9, parts 3-6): determinism, interruption safety, numerical edge cases, safety.
+"""Hardening: determinism, interruption safety, numerical edge cases, safety.
 
 docs/edge-cases.md lists each behaviour and the test here that proves it. The oracles are
 independent of the code under test: the bytes of a first run (determinism), onnxruntime run one
