@@ -238,6 +238,16 @@ def _input_nhwc(model, x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(0, 2, 3, 1)) if x.ndim == 4 and model.input_formats[name] == "NCHW" else x
 
 
+def _layer_input(xq, crop) -> np.ndarray:
+    """The float value of a layer's quantized input in the IR's layout (NCHW); ``crop`` (top, bottom,
+    left, right) undoes a safe form's explicit Pad, so that the layer is measured on its own input."""
+    v = np.asarray(xq.dequantize() if xq.qinfo is not None else xq.values, dtype=np.float64)
+    if crop is not None:
+        t, b, lft, r = crop
+        v = v[:, t:v.shape[1] - b, lft:v.shape[2] - r, :]
+    return v.transpose(0, 3, 1, 2) if v.ndim == 4 else v  # NHWC -> NCHW
+
+
 def correct_biases(cal, *, device: str, data, fp32_nodes: frozenset[str] = frozenset(),
                    batch_size: int = 8, progress: bool = False) -> BiasCorrection:
     """Empirical bias correction of ``cal`` (a :class:`maceq.quant.pipeline.Calibration`) for ``device``.
@@ -292,12 +302,7 @@ def correct_biases(cal, *, device: str, data, fp32_nodes: frozenset[str] = froze
             return False
         bar.update(1)
         xq = ins[0]
-        v = np.asarray(xq.dequantize() if xq.qinfo is not None else xq.values, dtype=np.float64)
-        if op.inputs[0] in crops:  # a safe form's explicit Pad: measure on the layer's own input
-            t, b, lft, r = crops[op.inputs[0]]
-            v = v[:, t:v.shape[1] - b, lft:v.shape[2] - r, :]
-        if v.ndim == 4:
-            v = v.transpose(0, 3, 1, 2)  # NHWC -> NCHW, the IR's layout
+        v = _layer_input(xq, crops.get(op.inputs[0]))
         shape = cal.shapes[lay.x]
         v = v.reshape((v.shape[0],) + tuple(shape[1:])) if lay.kind == "conv" else v.reshape(v.shape[0], -1)
         kh, kw = ksz[lay.node]

@@ -288,6 +288,22 @@ def _eval_summary(ev) -> dict:
             "int8_accuracy": ev.int8_accuracy, "accuracy_drop_points": drop}
 
 
+def _device_summary(m, device: str, ev, rows: list[dict], x) -> dict:
+    """One device's summary: the evaluation's figures, sizes, peak activation memory, layer counts."""
+    data_path = getattr(getattr(m.loaded, "files", None), "data", None)
+    s = _eval_summary(ev)
+    s.update({
+        "int8_weight_bytes": int(sum(a.nbytes for a in m.consts.values())),
+        "data_file_bytes": os.path.getsize(data_path) if data_path and os.path.exists(data_path) else None,
+        "peak_activation": activation_memory(m, device, x) if x is not None else None,
+        "layers_uint8": sum(1 for r in rows if r["precision"] == "uint8"),
+        "layers_fp32": sum(1 for r in rows if r["precision"] == "fp32"),
+        "layers_measured": sum(1 for r in rows if r["measured"]),
+        "worst_layer": next((r["name"] for r in rows if r["measured"]), None),
+    })
+    return s
+
+
 def _device_paths(model, device: str) -> dict:
     """Ops computed differently from the model's meaning on ``device``, and the safe forms written instead."""
     meta = model.maceq_meta
@@ -346,19 +362,7 @@ def build_report(models: Mapping[str, Any], *, float_model, evals: Mapping[str, 
                  for op in m.ops if place[op.name][0] != device]
         placement[device] = {"ops": len(m.ops), "on_device": len(m.ops) - len(falls), "on_cpu_fallback": len(falls),
                              "boundary_transfers": m.boundary_transfers(place), "fallbacks": falls}
-        files = getattr(m.loaded, "files", None)
-        data_path = getattr(files, "data", None)
-        s = _eval_summary(evals.get(device))
-        s.update({
-            "int8_weight_bytes": int(sum(a.nbytes for a in m.consts.values())),
-            "data_file_bytes": os.path.getsize(data_path) if data_path and os.path.exists(data_path) else None,
-            "peak_activation": activation_memory(m, device, x) if x is not None else None,
-            "layers_uint8": sum(1 for r in rows if r["precision"] == "uint8"),
-            "layers_fp32": sum(1 for r in rows if r["precision"] == "fp32"),
-            "layers_measured": sum(1 for r in rows if r["measured"]),
-            "worst_layer": next((r["name"] for r in rows if r["measured"]), None),
-        })
-        summary[device] = s
+        summary[device] = _device_summary(m, device, evals.get(device), rows, x)
     hists = activation_histograms(ref, rows_by_device, x, worst_k=worst_k, bins=hist_bins) if x is not None else []
     source = meta.get("source_model")
     report = {
