@@ -451,16 +451,18 @@ def demo(seed=0, n_add=12, n_conv=12, n_dw=8, harness=None, verbose=True, save_d
             undo()
 
 
-def _demo(K, seed, n_add, n_conv, n_dw, harness, verbose, save_dir):
-    rng = np.random.default_rng(seed)
-    kw = dict(harness=harness)
-    groups: dict = {}
+class _Recorder:
+    """Collects the comparisons of the demo by group; saves differing cases when asked."""
 
-    def add(group, c, res=None, case=None):
-        groups.setdefault(group, []).append(c)
-        if save_dir and case is not None and (c.nbad or not c.range_ok):
-            Path(save_dir).mkdir(parents=True, exist_ok=True)
-            fn = Path(save_dir) / f"{group.split()[0]}_{len(groups[group]) - 1}.npz"
+    def __init__(self, verbose, save_dir):
+        self.groups: dict = {}
+        self.verbose, self.save_dir = verbose, save_dir
+
+    def add(self, group, c, res=None, case=None):
+        self.groups.setdefault(group, []).append(c)
+        if self.save_dir and case is not None and (c.nbad or not c.range_ok):
+            Path(self.save_dir).mkdir(parents=True, exist_ok=True)
+            fn = Path(self.save_dir) / f"{group.split()[0]}_{len(self.groups[group]) - 1}.npz"
             arrays, meta = {}, {}
             for k, v in case.items():
                 if isinstance(v, np.ndarray):
@@ -473,13 +475,16 @@ def _demo(K, seed, n_add, n_conv, n_dw, harness, verbose, save_dir):
             # plain arrays + a JSON string: np.load(fn, allow_pickle=False) reads it
             np.savez(fn, meta=np.array(json.dumps(meta, default=str)), **arrays)
             c.name += f" (saved {fn})"
-        if verbose:
+        if self.verbose:
             t = f" ({res.wall_s:.2f}s)" if res is not None else ""
             print(f"[{group}] {c.line()}{t}", flush=True)
 
+    @staticmethod
     def ops_of(res):
         return "/".join(o for o in res.ops() if o not in ("INPUT", "OUTPUT")) if res else "-"
 
+
+def _demo_addsub(K, rng, n_add, kw, rec):
     # ---- QuantizedAdd_8p8to8 (flat and d32), QuantizedSub_8p8to8 ------------------------------
     out_kinds = ["sum", "inf", "narrow", "wide", "underrange", "sum", "fixed-pos"]
     for i in range(n_add):
@@ -500,8 +505,8 @@ def _demo(K, seed, n_add, n_conv, n_dw, harness, verbose, save_dir):
                                            out_max=omax, d32=d32, **kw))
             res = None if isinstance(r, Exception) else r[3]
             got = r if isinstance(r, Exception) else r[:3]
-            add("QuantizedAdd_8p8to8" + ("_d32" if d32 else ""),
-                compare(f"{shape} out={kind} [{ops_of(res)}]", got, want), res,
+            rec.add("QuantizedAdd_8p8to8" + ("_d32" if d32 else ""),
+                compare(f"{shape} out={kind} [{rec.ops_of(res)}]", got, want), res,
                 dict(a=a, b=b, args=dict(a_min=amin, a_max=amax, b_min=bmin, b_max=bmax, out_min=omin,
                                          out_max=omax), nnlib=got, maceq=want))
         if i % 3 == 0:
@@ -512,9 +517,11 @@ def _demo(K, seed, n_add, n_conv, n_dw, harness, verbose, save_dir):
                                            out_min=omin if kind != "sum" else amin - bmax,
                                            out_max=omax if kind != "sum" else amax - bmin, **kw))
             res = None if isinstance(r, Exception) else r[3]
-            add("QuantizedSub_8p8to8", compare(f"{shape} out={kind} [{ops_of(res)}]",
+            rec.add("QuantizedSub_8p8to8", compare(f"{shape} out={kind} [{rec.ops_of(res)}]",
                                                r if isinstance(r, Exception) else r[:3], want), res)
 
+
+def _demo_supernode(K, rng, n_conv, kw, rec):
     # ---- Supernode_8x8p32to8 -----------------------------------------------------------------
     fixed_conv = [((1, 8, 8, 32), 3, 32, 1, "SAME", "fixed"), ((1, 8, 8, 16), 1, 32, 1, "VALID", "fixed"),
                   ((1, 9, 9, 32), 3, 64, 2, "SAME", "fixed"), ((1, 7, 10, 24), 3, 40, 1, "VALID", "inf"),
@@ -544,10 +551,12 @@ def _demo(K, seed, n_add, n_conv, n_dw, harness, verbose, save_dir):
             r = _try(lambda: supernode(x, w, bias, **args, **nn_kw, **kw))
             want = _try(lambda: K.supernode(x, w, bias, **args, **mq_kw))
             res = None if isinstance(r, Exception) else r[3]
-            add(group, compare(f"{tag} [{ops_of(res)}]", r if isinstance(r, Exception) else r[:3], want), res,
+            rec.add(group, compare(f"{tag} [{rec.ops_of(res)}]", r if isinstance(r, Exception) else r[:3], want), res,
                 dict(x=x, w=w, bias=bias, args=args, variant=var.value, nnlib=r if isinstance(r, Exception) else r[:3],
                      maceq=want))
 
+
+def _demo_depthwise(K, rng, n_dw, kw, rec):
     # ---- DepthwiseSupernode_8x8p32to8 --------------------------------------------------------
     dw_cases = [((1, 8, 8, 32), 3, 1, "SAME", "fixed"), ((1, 9, 9, 64), 3, 2, "SAME", "fixed"),
                 ((1, 8, 8, 32), 5, 1, "VALID", "inf")]
@@ -570,10 +579,19 @@ def _demo(K, seed, n_add, n_conv, n_dw, harness, verbose, save_dir):
         r = _try(lambda: depthwise_supernode(x, w, bias, **args, **kw))
         want = _try(lambda: K.depthwise_supernode(x, w, bias, **args))
         res = None if isinstance(r, Exception) else r[3]
-        add("DepthwiseSupernode_8x8p32to8", compare(f"{shape} k{k} s{st} {pad} out={kind} [{ops_of(res)}]",
+        rec.add("DepthwiseSupernode_8x8p32to8", compare(f"{shape} k{k} s{st} {pad} out={kind} [{rec.ops_of(res)}]",
                                                     r if isinstance(r, Exception) else r[:3], want), res,
             dict(x=x, w=w, bias=bias, args=args, nnlib=r if isinstance(r, Exception) else r[:3], maceq=want))
-    return groups
+
+
+def _demo(K, seed, n_add, n_conv, n_dw, harness, verbose, save_dir):
+    rng = np.random.default_rng(seed)
+    kw = dict(harness=harness)
+    rec = _Recorder(verbose, save_dir)
+    _demo_addsub(K, rng, n_add, kw, rec)
+    _demo_supernode(K, rng, n_conv, kw, rec)
+    _demo_depthwise(K, rng, n_dw, kw, rec)
+    return rec.groups
 
 
 def acceptance(harness=None, verbose=True, seed=0):
