@@ -28,12 +28,13 @@ from maceq.runtime.qtypes import QInfo
 from maceq.runtime.registry import register
 
 
-def _f32_bits(x) -> int:
+def f32_bits(x) -> int:
     """A float32 value carried as its int32 bit pattern (params hold integers only)."""
     return int(np.float32(x).view(np.int32))
 
 
-def _bits_f32(b: int) -> np.float32:
+def bits_f32(b: int) -> np.float32:
+    """The float32 value of an int32 bit pattern (the inverse of :func:`f32_bits`)."""
     return np.int32(b).view(np.float32)
 
 
@@ -43,10 +44,9 @@ def _out_tensor(values, q: QInfo):
     return QTensor(values, q)
 
 
-def _pads(op: RtOp) -> tuple[int, int, int, int]:
-    """MACE padding_values are totals per spatial dim; top/left get total >> 1."""
-    ph, pw = op.arg("padding_values", [0, 0])
-    return ph >> 1, pw >> 1, ph - (ph >> 1), pw - (pw >> 1)
+def op_pads(op: RtOp) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) of a conv/pool op: MACE's ``padding_values`` are totals per spatial dim."""
+    return k_conv.mace_pads(*op.arg("padding_values", [0, 0]))
 
 
 def _require_q(op: RtOp, q, what: str) -> QInfo:
@@ -89,7 +89,7 @@ class ConvParams:
 
     @property
     def out_q(self) -> QInfo:
-        return QInfo(float(_bits_f32(self.out_scale_bits)), self.out_zp)
+        return QInfo(float(bits_f32(self.out_scale_bits)), self.out_zp)
 
 
 class _ConvBase:
@@ -141,14 +141,14 @@ class _ConvBase:
             mbits = 0
         else:
             mult, shift = 0, 0
-            mbits = _f32_bits(fp.mace_float_multiplier(xq.scale, wq.scale, out_q.scale))
+            mbits = f32_bits(fp.mace_float_multiplier(xq.scale, wq.scale, out_q.scale))
         act_min, act_max = 0, 255
         if prof.honours_activation_args:
             raise MaceqError(f"op '{op.name}': activation args are not implemented for this profile")
         params = ConvParams(xq.zero_point, wq.zero_point, out_q.zero_point, mult, shift, mbits, requant.value,
-                            tuple(op.arg("strides", [1, 1])), _pads(op), tuple(op.arg("dilations", [1, 1])),
+                            tuple(op.arg("strides", [1, 1])), op_pads(op), tuple(op.arg("dilations", [1, 1])),
                             int(op.arg("group", 1)), act_min, act_max, op.inputs[1], bias,
-                            _f32_bits(out_q.scale), self.fast3x3(prof, requant))
+                            f32_bits(out_q.scale), self.fast3x3(prof, requant))
         w = ctx.consts.get(op.inputs[1])
         if w is not None:
             self._plan(params, w)
@@ -185,7 +185,7 @@ class DepthwiseConv2d(_ConvBase):
         if p.requant == Requant.GEMMLOWP.value:
             fixed = dict(multiplier=p.multiplier, shift=p.shift)
         else:
-            fixed = dict(float_multiplier=_bits_f32(p.multiplier_f32_bits),
+            fixed = dict(float_multiplier=bits_f32(p.multiplier_f32_bits),
                          float_rounding=_FLOAT_ROUNDING[Requant(p.requant)])
         plan = k_conv.depthwise_conv2d_plan(w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
                                             strides=p.strides, pads=p.pads, dilations=p.dilations,
@@ -244,7 +244,7 @@ class FullyConnected(_ConvBase):
         w2 = w.reshape(w.shape[0], -1)
         if p.requant != Requant.GEMMLOWP.value:
             return k_conv.fully_connected_plan(w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
-                                               multiplier=_bits_f32(p.multiplier_f32_bits), act_min=p.act_min,
+                                               multiplier=bits_f32(p.multiplier_f32_bits), act_min=p.act_min,
                                                act_max=p.act_max, rounding=_FLOAT_ROUNDING[Requant(p.requant)])
         return k_conv.fully_connected_fixed_plan(w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
                                                  multiplier=p.multiplier, shift=p.shift, act_min=p.act_min,
@@ -283,14 +283,14 @@ class Eltwise:
         a = _require_q(op, in_q[0], "input 0")
         b = _require_q(op, in_q[1], "input 1")
         o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
-        return EltwiseParams(kind == 1, _f32_bits(a.scale), a.zero_point, _f32_bits(b.scale), b.zero_point,
-                             _f32_bits(o.scale), o.zero_point)
+        return EltwiseParams(kind == 1, f32_bits(a.scale), a.zero_point, f32_bits(b.scale), b.zero_point,
+                             f32_bits(o.scale), o.zero_point)
 
     def run(self, p: EltwiseParams, inputs):
-        y = k_eltwise.eltwise_add(inputs[0].values, inputs[1].values, a_scale=float(_bits_f32(p.a_scale_bits)),
-                                  a_zp=p.a_zp, b_scale=float(_bits_f32(p.b_scale_bits)), b_zp=p.b_zp,
-                                  out_scale=float(_bits_f32(p.out_scale_bits)), out_zp=p.out_zp, subtract=p.subtract)
-        return [_out_tensor(y, QInfo(float(_bits_f32(p.out_scale_bits)), p.out_zp))]
+        y = k_eltwise.eltwise_add(inputs[0].values, inputs[1].values, a_scale=float(bits_f32(p.a_scale_bits)),
+                                  a_zp=p.a_zp, b_scale=float(bits_f32(p.b_scale_bits)), b_zp=p.b_zp,
+                                  out_scale=float(bits_f32(p.out_scale_bits)), out_zp=p.out_zp, subtract=p.subtract)
+        return [_out_tensor(y, QInfo(float(bits_f32(p.out_scale_bits)), p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -312,8 +312,8 @@ class Pooling:
             raise MaceqError(f"op '{op.name}': unknown pooling_type {kind}")
         if any(d != 1 for d in op.arg("dilations", [1, 1])):
             raise MaceqError(f"op '{op.name}': dilated pooling is not supported")
-        return PoolParams(kind, tuple(op.require("kernels")), tuple(op.arg("strides", [1, 1])), _pads(op),
-                          _f32_bits(q.scale), q.zero_point)
+        return PoolParams(kind, tuple(op.require("kernels")), tuple(op.arg("strides", [1, 1])), op_pads(op),
+                          f32_bits(q.scale), q.zero_point)
 
     def run(self, p: PoolParams, inputs):
         x = inputs[0].values
@@ -341,8 +341,8 @@ class Reduce:
             raise MaceqError(f"op '{op.name}': uint8 Reduce supports MEAN (reduce_type 0) only")
         q = _require_q(op, in_q[0], "input")
         o = op.out_qinfo[0] if op.out_qinfo else q
-        return ReduceParams(tuple(op.arg("axis", [1, 2])), bool(op.arg("keepdims", 1)), _f32_bits(q.scale),
-                            q.zero_point, _f32_bits(o.scale), o.zero_point)
+        return ReduceParams(tuple(op.arg("axis", [1, 2])), bool(op.arg("keepdims", 1)), f32_bits(q.scale),
+                            q.zero_point, f32_bits(o.scale), o.zero_point)
 
     def run(self, p: ReduceParams, inputs):
         y = k_reduce.reduce_mean(inputs[0].values, axes=p.axes, keepdims=p.keepdims)
@@ -364,12 +364,12 @@ class Concat:
     def prepare(self, op: RtOp, in_q, ctx) -> ConcatParams:
         qs = [_require_q(op, q, f"input {k}") for k, q in enumerate(in_q)]
         o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
-        return ConcatParams(int(op.arg("axis", 3)), tuple(_f32_bits(q.scale) for q in qs),
-                            tuple(q.zero_point for q in qs), _f32_bits(o.scale), o.zero_point)
+        return ConcatParams(int(op.arg("axis", 3)), tuple(f32_bits(q.scale) for q in qs),
+                            tuple(q.zero_point for q in qs), f32_bits(o.scale), o.zero_point)
 
     def run(self, p: ConcatParams, inputs):
-        in_q = [QInfo(float(_bits_f32(s)), z) for s, z in zip(p.in_scale_bits, p.in_zps)]
-        out_scale = float(_bits_f32(p.out_scale_bits))
+        in_q = [QInfo(float(bits_f32(s)), z) for s, z in zip(p.in_scale_bits, p.in_zps)]
+        out_scale = float(bits_f32(p.out_scale_bits))
         y = k_concat.concat([t.values for t in inputs], axis=p.axis, in_qinfos=in_q, out_scale=out_scale,
                             out_zp=p.out_zp)
         return [_out_tensor(y, QInfo(out_scale, p.out_zp))]
@@ -388,11 +388,11 @@ class Softmax:
     def prepare(self, op: RtOp, in_q, ctx) -> SoftmaxParams:
         q = _require_q(op, in_q[0], "input")
         o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
-        return SoftmaxParams(_f32_bits(q.scale), q.zero_point, _f32_bits(o.scale), o.zero_point)
+        return SoftmaxParams(f32_bits(q.scale), q.zero_point, f32_bits(o.scale), o.zero_point)
 
     def run(self, p: SoftmaxParams, inputs):
         x = inputs[0].values
-        y = k_softmax.softmax(x, in_scale=float(_bits_f32(p.in_scale_bits)))
+        y = k_softmax.softmax(x, in_scale=float(bits_f32(p.in_scale_bits)))
         # softmax.cc sets the output's scale/zero point itself (1/255, 0), whatever the model stored.
         return [_out_tensor(y, QInfo(float(np.float32(k_softmax.OUT_SCALE)), int(k_softmax.OUT_ZP)))]
 
@@ -412,7 +412,7 @@ class Quantize:
         prof = ctx.profile
         # quantize.cc: the range is recomputed when find_range_every_time is set or no scale is stored.
         find = (bool(op.arg("find_range_every_time", 0)) and prof.find_range_every_time) or o.scale == 0.0
-        return QuantizeParams(find, _f32_bits(o.scale), o.zero_point, prof.input_quantize.value)
+        return QuantizeParams(find, f32_bits(o.scale), o.zero_point, prof.input_quantize.value)
 
     def run(self, p: QuantizeParams, inputs):
         x = np.asarray(inputs[0].values, dtype=np.float32)
@@ -422,7 +422,7 @@ class Quantize:
             lo, hi = k_quant.find_range(x)
             scale, zp = k_quant.adjust_range(lo, hi, non_zero=False)
         else:
-            scale, zp = float(_bits_f32(p.scale_bits)), p.zero_point
+            scale, zp = float(bits_f32(p.scale_bits)), p.zero_point
         y = k_quant.quantize_neon(x, scale=scale, zero_point=zp)
         return [_out_tensor(y, QInfo(float(np.float32(scale)), int(zp)))]
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.runtime import ops as cpu_ops
+from maceq.runtime.ops import bits_f32, f32_bits, op_pads
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernels import dsp as K
 from maceq.runtime.kernels import nnlib_ref as R
@@ -48,11 +49,6 @@ def rng(q: QInfo) -> tuple[float, float]:
 def qinfo_of_range(mn: float, mx: float) -> QInfo:
     zero, level = R.get_qu8_level_size_zero(mn, mx)
     return QInfo(float(level), int(zero), float(mn), float(mx))
-
-
-def _pads(op: RtOp):
-    ph, pw = op.arg("padding_values", [0, 0])
-    return ph >> 1, pw >> 1, ph - (ph >> 1), pw - (pw >> 1)
 
 
 @dataclass(frozen=True)
@@ -86,12 +82,6 @@ def _bias(inputs, n_out: int):
     return np.zeros(n_out, np.int32), 0.0, 0.0
 
 
-def _f32_bits(v) -> int:
-    return int(np.float32(v).view(np.int32))
-
-
-def _bits_f32(b) -> float:
-    return float(np.int32(b).view(np.float32))
 
 
 class _Fallback:
@@ -134,8 +124,8 @@ class _DspConv(_Fallback):
         if not ok:
             return self._fallback(op, in_q, ctx, why)
         lo, hi = rng(op.out_qinfo[0])
-        p = DspConvParams(True, "", strides, 0, (_f32_bits(lo), _f32_bits(hi)),
-                          variant=ctx.profile.supernode_variant or "d32", kernel=tuple(kernel), pads=_pads(op),
+        p = DspConvParams(True, "", strides, 0, (f32_bits(lo), f32_bits(hi)),
+                          variant=ctx.profile.supernode_variant or "d32", kernel=tuple(kernel), pads=op_pads(op),
                           padding_arg=op.arg("padding"))
         if op.output_shapes:  # the smallest input giving this output: MACE's converter must find a mode
             t, l, b, r = p.pads
@@ -155,7 +145,7 @@ class _DspConv(_Fallback):
         w_lo, w_hi = rng(w.qinfo)
         n_out = w.values.shape[2] if self.depthwise else w.values.shape[0]
         b, b_lo, b_hi = _bias(inputs, n_out)
-        out_lo, out_hi = (_bits_f32(v) for v in p.out_range_bits)
+        out_lo, out_hi = (bits_f32(v) for v in p.out_range_bits)
         kw = dict(x_min=x_lo, x_max=x_hi, w_min=w_lo, w_max=w_hi, bias_min=b_lo, bias_max=b_hi, out_min=out_lo,
                   out_max=out_hi, strides=p.strides, padding=conv_padding(p, x.values.shape[1:3]))
         if self.depthwise:
@@ -187,7 +177,7 @@ class DspFullyConnected(_Fallback):
         if not ok:
             return self._fallback(op, in_q, ctx, f"SuperFC: {why}")
         lo, hi = rng(op.out_qinfo[0])
-        return DspConvParams(True, "", (1, 1), 0, (_f32_bits(lo), _f32_bits(hi)))
+        return DspConvParams(True, "", (1, 1), 0, (f32_bits(lo), f32_bits(hi)))
 
     def run(self, p: DspConvParams, inputs):
         if not p.on_dsp:
@@ -197,7 +187,7 @@ class DspFullyConnected(_Fallback):
         x_lo, x_hi = rng(x.qinfo)
         w_lo, w_hi = rng(w.qinfo)
         b, b_lo, b_hi = _bias(inputs, w.values.shape[0])
-        out_lo, out_hi = (_bits_f32(v) for v in p.out_range_bits)
+        out_lo, out_hi = (bits_f32(v) for v in p.out_range_bits)
         y, mn, mx = K.superfc(x.values.reshape(n, -1), K.fc_weight_to_dsp(w.values), b, x_min=x_lo, x_max=x_hi,
                               w_min=w_lo, w_max=w_hi, bias_min=b_lo, bias_max=b_hi, out_min=out_lo, out_max=out_hi)
         return [_qt(y.reshape(n, 1, 1, -1), qinfo_of_range(mn, mx))]
@@ -216,12 +206,12 @@ class DspEltwise:
         if kind not in (0, 1):
             raise MaceqError(f"op '{op.name}': nnlib's uint8 Eltwise is QuantizedAdd/Sub only")
         lo, hi = rng(op.out_qinfo[0])
-        return DspEltwiseParams(kind == 1, (_f32_bits(lo), _f32_bits(hi)))
+        return DspEltwiseParams(kind == 1, (f32_bits(lo), f32_bits(hi)))
 
     def run(self, p: DspEltwiseParams, inputs):
         a, b = inputs
         (a_lo, a_hi), (b_lo, b_hi) = rng(a.qinfo), rng(b.qinfo)
-        out_lo, out_hi = (_bits_f32(v) for v in p.out_range_bits)
+        out_lo, out_hi = (bits_f32(v) for v in p.out_range_bits)
         fn = K.quantized_sub if p.subtract else K.quantized_add
         y, mn, mx = fn(a.values, b.values, a_min=a_lo, a_max=a_hi, b_min=b_lo, b_max=b_hi, out_min=out_lo,
                        out_max=out_hi)
@@ -270,7 +260,7 @@ class DspPoolParams:
 class DspPooling:
     def prepare(self, op: RtOp, in_q, ctx) -> DspPoolParams:
         return DspPoolParams(int(op.require("pooling_type")), tuple(int(v) for v in op.require("kernels")),
-                             tuple(int(v) for v in op.arg("strides", [1, 1])), _pads(op), op.arg("padding"))
+                             tuple(int(v) for v in op.arg("strides", [1, 1])), op_pads(op), op.arg("padding"))
 
     def run(self, p: DspPoolParams, inputs):
         x = inputs[0]
@@ -301,12 +291,12 @@ class DspReduce:
             raise MaceqError(f"op '{op.name}': the dsp Reduce keeps dims only ('Hexagon Reduce Mean only supports "
                              "keep dims')")
         lo, hi = rng(op.out_qinfo[0])
-        return DspMeanParams(tuple(int(a) for a in op.arg("axis", [1, 2])), (_f32_bits(lo), _f32_bits(hi)))
+        return DspMeanParams(tuple(int(a) for a in op.arg("axis", [1, 2])), (f32_bits(lo), f32_bits(hi)))
 
     def run(self, p: DspMeanParams, inputs):
         x = inputs[0]
         lo, hi = rng(x.qinfo)
-        out_lo, out_hi = (_bits_f32(v) for v in p.out_range_bits)
+        out_lo, out_hi = (bits_f32(v) for v in p.out_range_bits)
         y, mn, mx = K.quantized_mean(x.values, x_min=lo, x_max=hi, axes=p.axes, out_min=out_lo, out_max=out_hi)
         return [_qt(y, qinfo_of_range(mn, mx))]
 
@@ -321,14 +311,14 @@ class DspQuantizeParams:
 class DspQuantize:
     def prepare(self, op: RtOp, in_q, ctx) -> DspQuantizeParams:
         lo, hi = rng(op.out_qinfo[0])
-        return DspQuantizeParams(bool(op.arg("find_range_every_time", 0)), (_f32_bits(lo), _f32_bits(hi)))
+        return DspQuantizeParams(bool(op.arg("find_range_every_time", 0)), (f32_bits(lo), f32_bits(hi)))
 
     def run(self, p: DspQuantizeParams, inputs):
         x = np.asarray(inputs[0].values, np.float32)
         if p.find_range:
             q, mn, mx = K.quantize_input(x)
         else:
-            lo, hi = (_bits_f32(v) for v in p.range_bits)
+            lo, hi = (bits_f32(v) for v in p.range_bits)
             q, mn, mx = K.quantize(x, min=lo, max=hi)
         return [_qt(q, qinfo_of_range(mn, mx))]
 

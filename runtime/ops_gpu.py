@@ -15,6 +15,7 @@ import numpy as np
 from maceq.errors import MaceqError
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernels import gpu as K
+from maceq.runtime.ops import op_pads
 from maceq.runtime.profiles import Device
 from maceq.runtime.qtypes import QInfo
 from maceq.runtime.registry import register
@@ -41,11 +42,6 @@ def _qt(values, q):
     from maceq.runtime.model import QTensor
 
     return QTensor(values, q)
-
-
-def _pads(op: RtOp):
-    ph, pw = op.arg("padding_values", [0, 0])
-    return ph >> 1, pw >> 1, ph - (ph >> 1), pw - (pw >> 1)
 
 
 @dataclass(frozen=True)
@@ -79,7 +75,7 @@ class _GpuConvBase(_UsesBackend):
         scale_c = K.gpu_requant_scales(in_q[0].scale, s_w, op.out_qinfo[0].scale)
         return GpuConvParams(in_q[0].zero_point, op.out_qinfo[0].zero_point,
                              tuple(int(v) for v in np.asarray(scale_c, np.float32).view(np.int32)),
-                             tuple(op.arg("strides", [1, 1])), _pads(op), tuple(op.arg("dilations", [1, 1])),
+                             tuple(op.arg("strides", [1, 1])), op_pads(op), tuple(op.arg("dilations", [1, 1])),
                              int(np.float32(op.out_qinfo[0].scale).view(np.int32)))
 
 
@@ -147,7 +143,7 @@ class GpuPoolParams:
 class GpuPooling(_UsesBackend):
     def prepare(self, op: RtOp, in_q, ctx) -> GpuPoolParams:
         return GpuPoolParams(int(op.require("pooling_type")), tuple(op.require("kernels")),
-                             tuple(op.arg("strides", [1, 1])), _pads(op))
+                             tuple(op.arg("strides", [1, 1])), op_pads(op))
 
     def run(self, p: GpuPoolParams, inputs):
         fn = self.backend.max_pool if p.kind == 2 else self.backend.avg_pool
