@@ -580,6 +580,18 @@ def supernode_ref_params(x_min, x_max, w_min, w_max, bias_min, bias_max) -> tupl
             out_level, fdiv(bias_level, out_level))
 
 
+
+def _ref_open_range(out_min, out_max) -> tuple[float, float, bool, bool]:
+    """supernode_check_ref's start: (min, max, min given, max given); an open max starts at 1/128 and
+    an open min at -max."""
+    maxval, minval = f32(out_max), f32(out_min)
+    max_pre = min_pre = True
+    if maxval == INF:
+        max_pre, maxval = False, 1.0 / 128.0
+    if minval == -INF:
+        min_pre, minval = False, -maxval
+    return minval, maxval, min_pre, max_pre
+
 def supernode_ref_range(maxsum: int, minsum: int, out_level: float, out_min: float,
                         out_max: float) -> tuple[float, float]:
     """supernode_check_ref + the retry recursion of supernode_execute_ref -> (final_min, final_max).
@@ -590,12 +602,7 @@ def supernode_ref_range(maxsum: int, minsum: int, out_level: float, out_min: flo
     if max is free and ``f32(maxsum+offset)*out_level > max-min``, double max until it fits;
     else if min is free and ``f32(minsum+offset)*out_level < 0``, double min (re-offsetting).
     """
-    maxval, minval = f32(out_max), f32(out_min)
-    max_pre = min_pre = True
-    if maxval == INF:
-        max_pre, maxval = False, 1.0 / 128.0
-    if minval == -INF:
-        min_pre, minval = False, -maxval
+    minval, maxval, min_pre, max_pre = _ref_open_range(out_min, out_max)
     while True:
         final_max, final_min = maxval, minval
         minval_offset = fdiv(-final_min, out_level)
@@ -636,12 +643,7 @@ def supernode_flat_range(maxsum: int, out_level: float, bias_max: float, out_min
     out_level) > max - min``: max doubles until it covers that (an open min follows as -max).
     ``maxsum``: the largest conv sum without bias, from 0. The min is never checked.
     """
-    maxval, minval = f32(out_max), f32(out_min)
-    max_pre = min_pre = True
-    if maxval == INF:
-        max_pre, maxval = False, 1.0 / 128.0
-    if minval == -INF:
-        min_pre, minval = False, -maxval
+    minval, maxval, min_pre, max_pre = _ref_open_range(out_min, out_max)
     while True:
         bias_adder = c_trunc_i32(math.ceil(fdiv(fsub(f32(bias_max), minval), out_level)))
         need = fmul(i2f(wrap32(maxsum + bias_adder)), out_level)
