@@ -28,7 +28,7 @@ from maceq.datasets.images import ImageFolder
 from maceq.datasets.labels import FASHION_MNIST_CLASSES
 from maceq.datasets.preprocess import preprocess_from_args
 from maceq.quant.config import QuantConfig
-from maceq.quant.pipeline import calibrate, correct_bias, write_quantized
+from maceq.app.pipeline import calibrate, correct_bias, write_quantized
 from maceq.reports.evaluate import evaluate
 from maceq.runtime import load
 

@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         return 0
 
     from maceq.datasets.preprocess import PRESETS
-    from maceq.quant.pipeline import prepare_graph, tensors_to_calibrate
+    from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
 
     counts = [int(c) for c in args.counts.split(",")]
     rows = []

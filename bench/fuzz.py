@@ -20,14 +20,14 @@ mace_pb        mutated ``fmnist_q8.pb`` + the real ``.data`` -> ``quant.mace.for
 mace_data      the real ``.pb`` + mutated ``.data`` -> ``read_model(pb)``
 mace_yml       mutated deployment ``.yml`` beside the real ``.pb``/``.data`` -> ``read_model(yml)``
 mace_ranges    mutated range file -> ``quant.mace.format.read_ranges``
-onnx_bytes     mutated serialized ``fmnist_mobilenet.onnx`` -> ``quant.pipeline.prepare_graph``
+onnx_bytes     mutated serialized ``fmnist_mobilenet.onnx`` -> ``quant.prepare.prepare_graph``
 onnx_struct    protobuf edits of ``fmnist_mobilenet.onnx`` / ``ppocr_mobile_v2_cls.onnx`` chosen by
                the bytes (dropped inputs and nodes, wrong attrs, bad shapes and dtypes, bad
                initializers, opsets) -> ``prepare_graph`` with and without ``input_shape``
 config         mutated quantization config YAML -> ``quant.config.load_config``
 budget         mutated budget YAML -> ``reports.budget.load_budget``
 preprocess     mutated preprocessing YAML -> ``datasets.preprocess.Preprocess.from_dict`` on the
-               parsed mapping, and the CLI's ``--preprocess FILE`` loader (``quant.cli``)
+               parsed mapping, and the CLI's ``--preprocess FILE`` loader (``app.cli``)
 ============== ======================================================================================
 
 Seeds: ``bench/fuzz_corpus/<target>/`` (small, committed) plus seeds generated at start from
@@ -137,7 +137,7 @@ def _maceq_style_yml(pb: bytes, data: bytes) -> bytes:
 
 
 def _read_pb_and_data(tag: str, pb: bytes, weights: bytes) -> None:
-    from maceq.quant.mace.format import read_model
+    from maceq.mace.format import read_model
 
     d = _Scratch.fresh(tag)
     (d / "m.pb").write_bytes(pb)
@@ -154,7 +154,7 @@ def fuzz_mace_data(data: bytes) -> None:
 
 
 def fuzz_mace_yml(data: bytes) -> None:
-    from maceq.quant.mace.format import read_model
+    from maceq.mace.format import read_model
 
     pb, weights, _, ranges = _mace_files_cached()
     d = _Scratch.fresh("mace_yml")
@@ -166,7 +166,7 @@ def fuzz_mace_yml(data: bytes) -> None:
 
 
 def fuzz_mace_ranges(data: bytes) -> None:
-    from maceq.quant.mace.format import read_ranges
+    from maceq.mace.format import read_ranges
 
     p = _Scratch.dir() / "ranges.txt"
     p.write_bytes(data)
@@ -188,7 +188,7 @@ def _mace_files_cached():
 # ------------------------------------------------------------------------------------------------
 
 def _prepare(path: Path, input_shape=None) -> None:
-    from maceq.quant.pipeline import prepare_graph
+    from maceq.quant.prepare import prepare_graph
 
     prepare_graph(path, input_shape=input_shape)
 
@@ -416,7 +416,7 @@ def _preprocess_from_dict(data: bytes) -> None:
 def _preprocess_cli(path: Path) -> None:
     from types import SimpleNamespace
 
-    from maceq.quant.cli import _preprocess_from
+    from maceq.app.cli import _preprocess_from
 
     args = SimpleNamespace(preset=None, preprocess=str(path), resize_short=None, resize=None, crop=None,
                            mean=None, std=None, scale=None, offset=None, color=None, layout=None)
@@ -633,10 +633,10 @@ def _atheris_child(name: str, libfuzzer_args: list[str]) -> None:
 
     with atheris.instrument_imports(include=["maceq"]):
         import maceq.datasets.preprocess  # noqa: F401
-        import maceq.quant.cli  # noqa: F401
+        import maceq.app.cli  # noqa: F401
         import maceq.quant.config  # noqa: F401
-        import maceq.quant.mace.format  # noqa: F401
-        import maceq.quant.pipeline  # noqa: F401
+        import maceq.mace.format  # noqa: F401
+        import maceq.app.pipeline  # noqa: F401
         import maceq.reports.budget  # noqa: F401
     fn = TARGETS[name]
 

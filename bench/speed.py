@@ -23,7 +23,8 @@ from maceq.datasets.preprocess import preprocess_from_args
 from maceq.quant.config import QuantConfig
 from maceq.calibrate.runner import collect
 from maceq.datasets.images import ImageFolder
-from maceq.quant.pipeline import prepare_graph, quantize, tensors_to_calibrate
+from maceq.app.pipeline import quantize
+from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
 from maceq.runtime.model import load
 
 HERE = Path(__file__).resolve().parent

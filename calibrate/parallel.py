@@ -56,7 +56,7 @@ Executors (:class:`Executor`, :class:`TaskPool`)
   node must see the image files (and, for the mixed-precision search, the source ONNX) at the
   same paths, and have maceq installed; see docs/parallel.md.
 
-The same pool runs the candidate evaluations of the mixed-precision search (quant/mixed.py).
+The same pool runs the candidate evaluations of the mixed-precision search (app/mixed.py).
 """
 from __future__ import annotations
 
@@ -75,11 +75,12 @@ from typing import Any, Callable, Sequence
 import onnx
 from tqdm import tqdm
 
-from maceq.calibrate.runner import collect, expose_outputs
+from maceq.calibrate.runner import collect, expose_outputs, load_onnx
 from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
 from maceq.datasets.images import ImageFolder, UnreadableImageWarning
 from maceq.datasets.preprocess import Preprocess
 from maceq.errors import MaceqError
+from maceq.runtime import threads
 
 __all__ = ["Executor", "TaskPool", "collect_parallel", "shard_ranges", "default_intra_op_threads"]
 
@@ -150,8 +151,6 @@ def _init_local_worker(shared: Any, queue: Any) -> None:
 
 def _one_thread() -> None:
     """Workers are one per core already: their simulations run single-threaded (runtime/threads.py)."""
-    from maceq.runtime import threads
-
     threads.limit(1)
 
 
@@ -411,8 +410,6 @@ def _as_model(model: "onnx.ModelProto | bytes | str | os.PathLike") -> onnx.Mode
             return onnx.load_model_from_string(bytes(model))
         except Exception as e:  # noqa: BLE001 - protobuf's DecodeError
             raise MaceqError(f"cannot parse the serialized ONNX model ({type(e).__name__})") from None
-    from maceq.quant.onnx_import import load_onnx
-
     return load_onnx(model)
 
 

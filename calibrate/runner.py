@@ -9,6 +9,7 @@ time. A requested tensor that is a graph input is taken from the feed.
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -21,27 +22,54 @@ from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
 from maceq.errors import MaceqError
 from maceq.yamlio import one_line
 
-__all__ = ["collect", "expose_outputs", "make_session"]
+__all__ = ["collect", "expose_outputs", "load_onnx", "make_session"]
 
 
 def make_session(
-    model_bytes: bytes,
+    model: "bytes | onnx.ModelProto | str | os.PathLike",
     *,
     intra_op_threads: int | None = None,
+    optimize: bool = True,
 ) -> ort.InferenceSession:
-    """An onnxruntime CPU session for a serialized model.
+    """The one onnxruntime CPU session maceq opens: for a serialized model, a ModelProto or a file.
 
-    ``intra_op_threads`` None (or 0) keeps onnxruntime's default (one thread
-    per physical core). Warnings from onnxruntime are silenced (severity 3).
+    ``intra_op_threads`` None (or 0) keeps onnxruntime's default (one thread per physical core).
+    ``optimize=False`` disables onnxruntime's graph optimisations: a tensor's float value then does
+    not depend on which other tensors are requested as outputs (fusions change the float rounding),
+    which the per-layer analysis and bias correction need. Warnings are silenced (severity 3).
     """
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
+    elif not isinstance(model, (bytes, bytearray)):
+        model = os.fspath(model)
+        if not os.path.isfile(model):
+            raise MaceqError(f"{model}: float model not found (pass --float-model)")
     so = ort.SessionOptions()
     if intra_op_threads:
         so.intra_op_num_threads = int(intra_op_threads)
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
     try:
-        return ort.InferenceSession(model_bytes, sess_options=so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model, sess_options=so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
         raise MaceqError(f"onnxruntime cannot load the model: {str(e).splitlines()[0]}") from None
+
+
+def load_onnx(path: "str | os.PathLike") -> onnx.ModelProto:
+    """Read an ONNX file; a missing, unreadable or empty model is a one-line MaceqError."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise MaceqError(f"{path}: is a folder, not an ONNX model file")
+    if not os.path.isfile(path):
+        raise MaceqError(f"{path}: no such model file")
+    try:
+        model = onnx.load(path)
+    except Exception as e:  # noqa: BLE001 - onnx raises protobuf's and its own errors
+        raise MaceqError(f"{path}: not a readable ONNX model ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if not model.graph.node:
+        raise MaceqError(f"{path}: the ONNX graph has no nodes")
+    return model
 
 
 def expose_outputs(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.ModelProto:

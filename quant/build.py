@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.mace import mace_pb2
+from maceq.quant.float_emit import FLOAT_EMITTABLE, cancel_inverse_transposes, emit_float_node
 from maceq.quant.ir import ACT_ATTR, Graph, Node
-from maceq.quant.mace import mace_pb2
-from maceq.quant.mace.float_ops import FLOAT_EMITTABLE, cancel_inverse_transposes, emit_float_node
 from maceq.quant.scheme import SCHEMES, AffineParams, adjust_range
+from maceq.runtime.kernels.resize import onnx_resize_mapping
 
 DT_FLOAT, DT_UINT8, DT_INT32 = mace_pb2.DT_FLOAT, mace_pb2.DT_UINT8, mace_pb2.DT_INT32
 FRAMEWORK_ONNX = 2
@@ -73,6 +74,9 @@ def _total_pads(node: Node) -> list[int]:
             raise MaceqError(f"node '{node.name}': {what} pads ({lead}, {trail}) cannot be expressed as MACE "
                              "padding_values (leading pad must be total >> 1)")
     return [t + b, l + r]
+
+
+VIEW_OPS = ("Flatten", "Reshape", "Squeeze")  # ops that only relabel a tensor: it keeps its producer's scale
 
 
 class MaceBuilder:
@@ -428,7 +432,7 @@ class MaceBuilder:
     EMITTERS = {"Conv": emit_conv, "Resize": emit_resize, "Upsample": emit_resize, "Gemm": emit_gemm, "MatMul": emit_gemm, "Add": emit_eltwise,
                 "Sub": emit_eltwise, "GlobalAveragePool": emit_global_pool, "MaxPool": emit_pool,
                 "AveragePool": emit_pool, "Concat": emit_concat, "Softmax": emit_softmax}
-    VIEW_OPS = ("Flatten", "Reshape", "Squeeze")
+    VIEW_OPS = VIEW_OPS
 
     # -- whole graph ---------------------------------------------------------------
     def build(self, *, input_formats: dict[str, str], strict: bool = False, fp32=frozenset()) -> BuiltModel:
@@ -521,8 +525,6 @@ UINT8, FLOAT = "uint8", "float32"
 
 def _resize_mapping(g: Graph, node: Node, shapes):
     """G's ONNX Resize mapping for a linear Resize/Upsample with constant scales/sizes, else None."""
-    from maceq.runtime.kernels.resize import onnx_resize_mapping
-
     x, out = node.inputs[0], node.outputs[0]
     if x not in shapes or out not in shapes or len(shapes[x]) != 4:
         return None

@@ -34,6 +34,7 @@ from typing import Any
 from maceq.calibrate.methods import RangeMethod, parse_method
 from maceq.calibrate.parallel import Executor
 from maceq.errors import MaceqError
+from maceq.quant.recipes import recipe_settings
 from maceq.yamlio import one_line, read_yaml
 
 RECOVERY_KEYS = {"cle", "high_bias_absorption", "bias_correction", "bias_correction_images"}
@@ -88,7 +89,6 @@ class QuantConfig:
         """Apply a recipe's switches to every key not set explicitly; None: unchanged."""
         if name is None:
             return self
-        from maceq.quant.recipes import recipe_settings
 
         settings = {k: v for k, v in recipe_settings(name).items() if k not in self.explicit}
         return replace(self, **settings, recipe=name)

@@ -81,20 +81,6 @@ def _check_arity(n: onnx.NodeProto, name: str, opset: int, source: str) -> None:
             raise MaceqError(f"{where}: required input {k} ({formal.name}) is empty")
 
 
-def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise MaceqError(f"{path}: no such model file")
-    try:
-        model = onnx.load(path)
-    except Exception as e:
-        raise MaceqError(f"{path}: not a readable ONNX model ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    if not model.graph.node:
-        raise MaceqError(f"{path}: the ONNX graph has no nodes")
-    return model
-
-
-
 def import_onnx(model: onnx.ModelProto, *, source: str = "model") -> Graph:
     """Convert an ONNX ModelProto to the IR; opset outside [11, 21] is an error.
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from maceq.errors import MaceqError
-from maceq.quant.mace import mace_pb2
-from maceq.quant.mace.format import LoadedModel, add_arg, get_arg
+from maceq.mace import mace_pb2
+from maceq.mace.format import LoadedModel, add_arg, get_arg
 from maceq.runtime.model import Model
 from maceq.runtime.profiles import get_profile
 

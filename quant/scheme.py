@@ -13,6 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.quant.converter import (
+    gpu_quantize_weights,
+    mace_adjust_range_for_hexagon,
+    mace_quantize_bias,
+    mace_quantize_tensor,
+)
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,7 @@ class CpuScheme:
 class GpuScheme(CpuScheme):
     """The gpu device: uint8 activations, int8 symmetric per-output-channel weights, int32 bias per channel.
 
-    Weight codes come from :func:`maceq.runtime.kernels.gpu.gpu_quantize_weights` (scale = max|w|/127
+    Weight codes come from :func:`maceq.quant.converter.gpu_quantize_weights` (scale = max|w|/127
     in float32, round half to even); the bias of channel c is round(b[c] / (s_in * s_w[c])), with the
     product in float32, as the gpu kernels' host code forms it.
     """
@@ -124,8 +130,6 @@ class GpuScheme(CpuScheme):
     uint8_resize = False  # no integer resize kernel: it runs on the fp16_fp32 float path
 
     def weights(self, w: np.ndarray, *, out_axis_last_two: bool = False) -> QuantizedWeights:
-        from maceq.runtime.kernels.gpu import gpu_quantize_weights
-
         w = np.asarray(w, dtype=np.float32)
         if out_axis_last_two:  # depthwise [KH, KW, C, M]: output channel c*M + m
             kh, kw, c, m = w.shape
@@ -157,23 +161,17 @@ class DspScheme(CpuScheme):
     name = "dsp"
 
     def activation(self, lo: float, hi: float) -> AffineParams:
-        from maceq.runtime.kernels.dsp import mace_adjust_range_for_hexagon
-
         mn, mx, scale, zp = mace_adjust_range_for_hexagon(lo, hi)
         if scale == 0.0:
             scale = float(np.finfo(np.float32).tiny)
         return AffineParams(scale, zp, mn, mx)
 
     def weights(self, w: np.ndarray, *, out_axis_last_two: bool = False) -> QuantizedWeights:
-        from maceq.runtime.kernels.dsp import mace_quantize_tensor
-
         q, mn, mx = mace_quantize_tensor(w)
         p = self.activation(mn, mx)
         return QuantizedWeights(q, params=AffineParams(p.scale, p.zero_point, mn, mx))
 
     def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, AffineParams]:
-        from maceq.runtime.kernels.dsp import mace_quantize_bias
-
         q, mn, mx = mace_quantize_bias(b)
         return q, AffineParams((mx - mn) / 2**32, 0, mn, mx)
 

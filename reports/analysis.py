@@ -40,8 +40,11 @@ import onnx
 import onnxruntime as ort
 from tqdm import tqdm
 
+from maceq.calibrate.runner import make_session
 from maceq.datasets.images import ImageFolder
 from maceq.errors import MaceqError
+from maceq.quant.ir import Graph
+from maceq.quant.prepare import prepare_graph
 from maceq.reports.evaluate import sqnr_db
 from maceq.runtime.graph import RtOp
 from maceq.runtime.model import Model, PrepareContext, QTensor
@@ -180,7 +183,7 @@ class FloatReference:
             if t not in have:
                 m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
                 have.add(t)
-        self.session = float_session(m)
+        self.session = make_session(m, optimize=False)
 
     def run(self, x: np.ndarray, tensors: list[str]) -> dict[str, np.ndarray]:
         got = self.session.run([t for t in tensors if t != self.input_name], {self.input_name: x})
@@ -190,24 +193,11 @@ class FloatReference:
         return out
 
 
-def float_session(model: onnx.ModelProto) -> ort.InferenceSession:
-    """onnxruntime without graph optimisations: a tensor's float value then does not depend on
-    which other tensors are requested as outputs (fusions would change the float rounding)."""
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
 def float_reference(float_model, model: Model) -> FloatReference:
     """The float side from a :class:`maceq.quant.ir.Graph` (the optimised graph: preferred), an
     ``onnx.ModelProto`` of that graph, or a path to the source ONNX (imported and optimised again
     exactly as the quantizer does, with the model's recorded input shape)."""
-    from maceq.quant.ir import Graph
-
     if isinstance(float_model, (str, os.PathLike)):
-        from maceq.quant.pipeline import prepare_graph
-
         shape = model.maceq_meta.get("input_shape")
         float_model, _, _ = prepare_graph(float_model, input_shape=list(shape) if shape else None)
     if isinstance(float_model, Graph):

@@ -48,8 +48,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-
 from maceq.errors import MaceqError, one_line
+from maceq.runtime.profiles import Device
 from maceq.yamlio import atomic_write, read_text, read_yaml
 
 #: Global budget keys -> (direction, the report's metric under summary.devices.<device>).
@@ -214,8 +214,6 @@ def budget_from_dict(d: Any, *, source: str = "budget") -> Budget:
 
 
 def _budget_from_dict(d: Any, *, source: str) -> Budget:
-    from maceq.runtime.profiles import Device
-
     if d is None:
         raise MaceqError(f"{source}: the budget is empty")
     d = _mapping(d, f"{source}: the top level")

@@ -12,9 +12,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import onnxruntime as ort
 from tqdm import tqdm
 
+from maceq.calibrate.runner import make_session
 from maceq.datasets.images import ImageFolder
 from maceq.errors import MaceqError
 from maceq.runtime.model import Model
@@ -98,7 +98,7 @@ def sqnr_db(signal_power: float, noise_power: float) -> float:
 
 def evaluate_segmentation(model: Model, float_model: str | os.PathLike, data: ImageFolder, *,
                           device: str = "cpu", threshold: float = 0.3, progress: bool = True) -> SegEvalResult:
-    sess = float_session(float_model)
+    sess = make_session(float_model)
     in_name, out_name = model.input_names[0], model.output_names[0]
     f_in = sess.get_inputs()[0].name
     names = [o.name for o in sess.get_outputs()]
@@ -128,17 +128,9 @@ def evaluate_segmentation(model: Model, float_model: str | os.PathLike, data: Im
                          1.0 if union_total == 0 else inter_total / union_total, float(np.min(ious)))
 
 
-def float_session(path: str | os.PathLike) -> ort.InferenceSession:
-    if not os.path.isfile(path):
-        raise MaceqError(f"{path}: float model not found (pass --float-model)")
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    return ort.InferenceSession(os.fspath(path), so, providers=["CPUExecutionProvider"])
-
-
 def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *, device: str = "cpu",
              batch_size: int = 16, progress: bool = True) -> EvalResult:
-    sess = float_session(float_model)
+    sess = make_session(float_model)
     in_name = model.input_names[0]
     out_name = model.output_names[0]
     f_in = sess.get_inputs()[0].name

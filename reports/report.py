@@ -46,7 +46,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from maceq.calibrate.methods import RangeMethod
 from maceq.errors import MaceqError
+from maceq.quant.config import LayerOverride, QuantConfig
+from maceq.reports.analysis import analyze_layers, float_reference
+from maceq.reports.budget import Budget, evaluate_budget, load_budget
+from maceq.reports.evaluate import evaluate
+from maceq.runtime.model import load
+from maceq.yamlio import atomic_write
 
 SCHEMA_VERSION = 1
 HERE = Path(__file__).resolve().parent
@@ -98,8 +105,6 @@ def range_config(meta: Mapping):
     """The QuantConfig the model was calibrated with (range method, percentile, per-layer
     overrides), rebuilt from its recorded metadata: ``config.method_for(tensor)`` then gives
     each tensor's range method by the quantizer's own rule."""
-    from maceq.calibrate.methods import RangeMethod
-    from maceq.quant.config import LayerOverride, QuantConfig
 
     kw = {}
     if meta.get("range_method"):
@@ -339,8 +344,6 @@ def build_report(models: Mapping[str, Any], *, float_model, evals: Mapping[str, 
     ``detail``. ``budget``: a :class:`maceq.reports.budget.Budget` to check the report against.
     ``analysis_images``: how many images the layer analysis ran on (recorded in the report).
     """
-    from maceq.reports.analysis import float_reference
-
     if not models:
         raise MaceqError("report: no model given")
     devices = list(models)
@@ -398,8 +401,6 @@ def build_report(models: Mapping[str, Any], *, float_model, evals: Mapping[str, 
 
 def attach_budget(report: dict, budget) -> dict:
     """Check ``report`` against ``budget`` and record the outcome in ``report['budget']``."""
-    from maceq.reports.budget import evaluate_budget
-
     results = evaluate_budget(report, budget)
     violations = [v.to_dict() for _, v in results if v is not None]
     report["budget"] = {"source": budget.source, "ok": not violations, "checks": len(results),
@@ -529,8 +530,6 @@ def report_json_text(report: Mapping) -> str:
 
 def write_report(report: Mapping, output_dir: str | os.PathLike, *, stem: str = "report") -> ReportFiles:
     """Write ``<stem>.json`` and ``<stem>.html`` into ``output_dir`` (each atomically)."""
-    from maceq.yamlio import atomic_write
-
     out = Path(output_dir)
     text = report_json_text(report)  # before any file is touched: a non-JSON value fails here
     html = render_html(report)
@@ -554,10 +553,6 @@ def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: st
     ``analysis_images``: the layer analysis runs on this many evenly spaced images (None: all).
     ``evals``: EvalResults already measured (not run again). ``budget``: a Budget or a path.
     """
-    from maceq.reports.analysis import analyze_layers
-    from maceq.reports.budget import Budget, load_budget
-    from maceq.reports.evaluate import evaluate
-    from maceq.runtime.model import load
 
     def _load(m):
         if isinstance(m, (str, os.PathLike)):

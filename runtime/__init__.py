@@ -1,12 +1,6 @@
 """Fixed-point runtime: ``load(path)`` a MACE model, then ``model.run(inputs, device="cpu")``."""
 from __future__ import annotations
 
+from maceq.runtime.model import Model, load
 
-def load(path):
-    """Load a MACE model from its deployment .yml or its .pb (see :class:`maceq.runtime.model.Model`)."""
-    from maceq.runtime.model import load as _load
-
-    return _load(path)
-
-
-__all__ = ["load"]
+__all__ = ["Model", "load"]

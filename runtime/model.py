@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.mace.format import read_model
 from maceq.runtime import ops as _ops  # noqa: F401  (registers the kernels)
 from maceq.runtime import ops_dsp as _ops_dsp  # noqa: F401
 from maceq.runtime import ops_float as _ops_float  # noqa: F401
@@ -21,21 +22,8 @@ from maceq.runtime import ops_shape as _ops_shape  # noqa: F401
 from maceq.runtime import threads as _threads
 from maceq.runtime.graph import RtOp, parse_ops
 from maceq.runtime.profiles import DeviceProfile, get_profile
-from maceq.runtime.qtypes import QInfo
-from maceq.runtime.registry import DType, lookup
-
-
-@dataclass
-class QTensor:
-    """A tensor as the device holds it: raw integer codes (NHWC for 4-D) and their quantization."""
-
-    values: np.ndarray
-    qinfo: QInfo | None  # None for float tensors
-
-    def dequantize(self) -> np.ndarray:
-        if self.qinfo is None:
-            return self.values.astype(np.float32)
-        return (np.float32(self.qinfo.scale) * (self.values.astype(np.int32) - self.qinfo.zero_point)).astype(np.float32)
+from maceq.runtime.qtypes import QInfo, QTensor
+from maceq.runtime.registry import _REGISTRY, DType, lookup
 
 
 @dataclass
@@ -277,8 +265,6 @@ def _placement_of(op: RtOp, kernel, params, device) -> tuple[str, str]:
         return "cpu", ""
     if getattr(params, "on_dsp", True) is False:
         return "cpu", getattr(params, "reason", "")
-    from maceq.runtime.registry import _REGISTRY
-
     if (op.type, kernel.dtype, device) in _REGISTRY or kernel.dtype.value == "float" and device.value == "gpu":
         return device.value, ""
     return "cpu", f"no {device.value} kernel for {op.type}"
@@ -295,6 +281,4 @@ def _backend(name: str):
 
 def load(path: str | os.PathLike) -> Model:
     """Load a MACE model from its deployment .yml or its .pb (the .data beside it)."""
-    from maceq.quant.mace.format import read_model
-
     return Model(read_model(path))

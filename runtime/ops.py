@@ -24,7 +24,7 @@ from maceq.runtime.kernels import quantize as k_quant
 from maceq.runtime.kernels import reduce as k_reduce
 from maceq.runtime.kernels import softmax as k_softmax
 from maceq.runtime.profiles import InputQuantize, MultiplierRule, Requant
-from maceq.runtime.qtypes import QInfo
+from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import register
 
 
@@ -37,11 +37,6 @@ def bits_f32(b: int) -> np.float32:
     """The float32 value of an int32 bit pattern (the inverse of :func:`f32_bits`)."""
     return np.int32(b).view(np.float32)
 
-
-def _out_tensor(values, q: QInfo):
-    from maceq.runtime.model import QTensor
-
-    return QTensor(values, q)
 
 
 def op_pads(op: RtOp) -> tuple[int, int, int, int]:
@@ -168,7 +163,7 @@ class Conv2D(_ConvBase):
 
     def run(self, p: ConvParams, inputs):
         y = self._plan(p, inputs[1].values)(inputs[0].values)
-        return [_out_tensor(y, p.out_q)]
+        return [QTensor(y, p.out_q)]
 
 
 @register("DepthwiseConv2d")
@@ -229,7 +224,7 @@ class DepthwiseConv2d(_ConvBase):
             # (tests/test_dw3x3_arm.py proves the equivalence), so the pass is skipped.
             if s is not None and k_dw3.border_defect(s) is not None:
                 edges(x, y, s)
-        return [_out_tensor(y, p.out_q)]
+        return [QTensor(y, p.out_q)]
 
 
 @register("FullyConnected")
@@ -258,7 +253,7 @@ class FullyConnected(_ConvBase):
         if x2.shape[1] != k:
             raise MaceqError(f"FullyConnected '{p.weights}': input has {x2.shape[1]} features, weights {k}")
         y = self._plan(p, w)(x2)
-        return [_out_tensor(y.reshape(n, 1, 1, -1), p.out_q)]
+        return [QTensor(y.reshape(n, 1, 1, -1), p.out_q)]
 
 
 @dataclass(frozen=True)
@@ -290,7 +285,7 @@ class Eltwise:
         y = k_eltwise.eltwise_add(inputs[0].values, inputs[1].values, a_scale=float(bits_f32(p.a_scale_bits)),
                                   a_zp=p.a_zp, b_scale=float(bits_f32(p.b_scale_bits)), b_zp=p.b_zp,
                                   out_scale=float(bits_f32(p.out_scale_bits)), out_zp=p.out_zp, subtract=p.subtract)
-        return [_out_tensor(y, QInfo(float(bits_f32(p.out_scale_bits)), p.out_zp))]
+        return [QTensor(y, QInfo(float(bits_f32(p.out_scale_bits)), p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -321,7 +316,7 @@ class Pooling:
             y = k_pool.max_pool(x, kernel=p.kernel, strides=p.strides, pads=p.pads)
         else:
             y = k_pool.avg_pool(x, kernel=p.kernel, strides=p.strides, pads=p.pads)
-        return [_out_tensor(y, inputs[0].qinfo)]
+        return [QTensor(y, inputs[0].qinfo)]
 
 
 @dataclass(frozen=True)
@@ -347,7 +342,7 @@ class Reduce:
     def run(self, p: ReduceParams, inputs):
         y = k_reduce.reduce_mean(inputs[0].values, axes=p.axes, keepdims=p.keepdims)
         # reduce.cc: output->SetScale(input->scale()) -- the stored output info is not used.
-        return [_out_tensor(y, inputs[0].qinfo)]
+        return [QTensor(y, inputs[0].qinfo)]
 
 
 @dataclass(frozen=True)
@@ -372,7 +367,7 @@ class Concat:
         out_scale = float(bits_f32(p.out_scale_bits))
         y = k_concat.concat([t.values for t in inputs], axis=p.axis, in_qinfos=in_q, out_scale=out_scale,
                             out_zp=p.out_zp)
-        return [_out_tensor(y, QInfo(out_scale, p.out_zp))]
+        return [QTensor(y, QInfo(out_scale, p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -394,7 +389,7 @@ class Softmax:
         x = inputs[0].values
         y = k_softmax.softmax(x, in_scale=float(bits_f32(p.in_scale_bits)))
         # softmax.cc sets the output's scale/zero point itself (1/255, 0), whatever the model stored.
-        return [_out_tensor(y, QInfo(float(np.float32(k_softmax.OUT_SCALE)), int(k_softmax.OUT_ZP)))]
+        return [QTensor(y, QInfo(float(np.float32(k_softmax.OUT_SCALE)), int(k_softmax.OUT_ZP)))]
 
 
 @dataclass(frozen=True)
@@ -424,7 +419,7 @@ class Quantize:
         else:
             scale, zp = float(bits_f32(p.scale_bits)), p.zero_point
         y = k_quant.quantize_neon(x, scale=scale, zero_point=zp)
-        return [_out_tensor(y, QInfo(float(np.float32(scale)), int(zp)))]
+        return [QTensor(y, QInfo(float(np.float32(scale)), int(zp)))]
 
 
 @dataclass(frozen=True)
@@ -458,7 +453,7 @@ class Pad:
             raise MaceqError(f"uint8 Pad: input must be 4-D NHWC, got shape {x.shape}")
         pairs = [(p.paddings[2 * i], p.paddings[2 * i + 1]) for i in range(4)]
         y = np.pad(x, pairs, mode="constant", constant_values=np.uint8(p.fill))
-        return [_out_tensor(y, inputs[0].qinfo)]
+        return [QTensor(y, inputs[0].qinfo)]
 
 
 @dataclass(frozen=True)
@@ -475,4 +470,4 @@ class Dequantize:
     def run(self, p: DequantizeParams, inputs):
         t = inputs[0]
         y = k_quant.dequantize(t.values, scale=t.qinfo.scale, zero_point=t.qinfo.zero_point)
-        return [_out_tensor(y, None)]
+        return [QTensor(y, None)]

@@ -27,16 +27,11 @@ from maceq.runtime.graph import RtOp
 from maceq.runtime.kernels import dsp as K
 from maceq.runtime.kernels import nnlib_ref as R
 from maceq.runtime.profiles import Device
-from maceq.runtime.qtypes import QInfo
+from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import register
 
 DSP = Device.DSP
 
-
-def _qt(values, q):
-    from maceq.runtime.model import QTensor
-
-    return QTensor(values, q)
 
 
 def rng(q: QInfo) -> tuple[float, float]:
@@ -153,7 +148,7 @@ class _DspConv(_Fallback):
         else:
             variant = K.SupernodeVariant.D32 if p.variant == "d32" else K.SupernodeVariant.REF
             y, mn, mx = K.supernode(x.values, K.ohwi_to_hwio(w.values), b, variant=variant, **kw)
-        return [_qt(y, qinfo_of_range(mn, mx))]
+        return [QTensor(y, qinfo_of_range(mn, mx))]
 
 
 @register("Conv2D", device=DSP)
@@ -190,7 +185,7 @@ class DspFullyConnected(_Fallback):
         out_lo, out_hi = (bits_f32(v) for v in p.out_range_bits)
         y, mn, mx = K.superfc(x.values.reshape(n, -1), K.fc_weight_to_dsp(w.values), b, x_min=x_lo, x_max=x_hi,
                               w_min=w_lo, w_max=w_hi, bias_min=b_lo, bias_max=b_hi, out_min=out_lo, out_max=out_hi)
-        return [_qt(y.reshape(n, 1, 1, -1), qinfo_of_range(mn, mx))]
+        return [QTensor(y.reshape(n, 1, 1, -1), qinfo_of_range(mn, mx))]
 
 
 @dataclass(frozen=True)
@@ -215,7 +210,7 @@ class DspEltwise:
         fn = K.quantized_sub if p.subtract else K.quantized_add
         y, mn, mx = fn(a.values, b.values, a_min=a_lo, a_max=a_hi, b_min=b_lo, b_max=b_hi, out_min=out_lo,
                        out_max=out_hi)
-        return [_qt(y, qinfo_of_range(mn, mx))]
+        return [QTensor(y, qinfo_of_range(mn, mx))]
 
 
 @dataclass(frozen=True)
@@ -244,7 +239,7 @@ class DspConcat:
             return self._concat.run(p.cpu, inputs)
         y, mn, mx = K.quantized_concat([t.values for t in inputs], axis=p.axis,
                                        in_ranges=[rng(t.qinfo) for t in inputs])
-        return [_qt(y, qinfo_of_range(mn, mx))]
+        return [QTensor(y, qinfo_of_range(mn, mx))]
 
 
 @dataclass(frozen=True)
@@ -269,8 +264,8 @@ class DspPooling:
         fn = K.quantized_maxpool if p.kind == 2 else K.quantized_avgpool
         y, mn, mx = fn(x.values, x_min=lo, x_max=hi, kernel=p.kernel, strides=p.strides, padding=mode)
         if (mn, mx) == (R.f32(lo), R.f32(hi)):
-            return [_qt(y, x.qinfo)]
-        return [_qt(y, qinfo_of_range(mn, mx))]  # avgpool to 1x1 finds its range from the data
+            return [QTensor(y, x.qinfo)]
+        return [QTensor(y, qinfo_of_range(mn, mx))]  # avgpool to 1x1 finds its range from the data
 
 
 @dataclass(frozen=True)
@@ -298,7 +293,7 @@ class DspReduce:
         lo, hi = rng(x.qinfo)
         out_lo, out_hi = (bits_f32(v) for v in p.out_range_bits)
         y, mn, mx = K.quantized_mean(x.values, x_min=lo, x_max=hi, axes=p.axes, out_min=out_lo, out_max=out_hi)
-        return [_qt(y, qinfo_of_range(mn, mx))]
+        return [QTensor(y, qinfo_of_range(mn, mx))]
 
 
 @dataclass(frozen=True)
@@ -320,7 +315,7 @@ class DspQuantize:
         else:
             lo, hi = (bits_f32(v) for v in p.range_bits)
             q, mn, mx = K.quantize(x, min=lo, max=hi)
-        return [_qt(q, qinfo_of_range(mn, mx))]
+        return [QTensor(q, qinfo_of_range(mn, mx))]
 
 
 @dataclass(frozen=True)
@@ -336,4 +331,4 @@ class DspDequantize:
     def run(self, p, inputs):
         t = inputs[0]
         lo, hi = rng(t.qinfo)
-        return [_qt(K.dequantize(t.values, min=lo, max=hi), None)]
+        return [QTensor(K.dequantize(t.values, min=lo, max=hi), None)]

@@ -7,7 +7,7 @@ maceq holds a tensor as the op that reads it expects, decided by the op's ``data
   stored, exactly as MACE's kernel sees its buffer: a fixed-format op (Conv2D, DepthwiseConv2d,
   Deconv2D, Pooling, BatchNorm, Resize*, PReLU, 4-D Softmax, FullyConnected) reads NCHW memory,
   and every axis / padding / begin-end argument indexes the stored dimensions. This is what
-  ``maceq.quant.mace.float_ops`` emits inside a uint8 model: explicit Transpose ops put the tensor
+  ``maceq.quant.float_emit`` emits inside a uint8 model: explicit Transpose ops put the tensor
   in NCHW around each fixed-format op, and the other ops carry physical (NHWC) arguments.
 - ``data_format`` AUTO (1000) or NHWC (1): **NHWC-held**. This is how MACE's converter writes a
   float model; MACE's NetDefAdapter then runs it in NCHW. maceq keeps such 4-D tensors NHWC
@@ -34,6 +34,7 @@ from maceq.errors import MaceqError
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernels import float_ops as K
 from maceq.runtime.profiles import Device
+from maceq.runtime.qtypes import QTensor
 from maceq.runtime.registry import DType, register
 
 DF_NONE, DF_NHWC, DF_NCHW, DF_AUTO = 0, 1, 2, 1000
@@ -42,9 +43,7 @@ TO_NCHW, TO_NHWC = (0, 3, 1, 2), (0, 2, 3, 1)
 NCHW_TO_NHWC_AXIS = (0, 3, 1, 2)
 
 
-def _out(values) -> object:
-    from maceq.runtime.model import QTensor
-
+def _out(values) -> QTensor:
     return QTensor(np.ascontiguousarray(values, dtype=np.float32), None)
 
 

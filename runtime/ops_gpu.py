@@ -17,7 +17,7 @@ from maceq.runtime.graph import RtOp
 from maceq.runtime.kernels import gpu as K
 from maceq.runtime.ops import op_pads
 from maceq.runtime.profiles import Device
-from maceq.runtime.qtypes import QInfo
+from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import register
 
 GPU = Device.GPU
@@ -37,11 +37,6 @@ class _UsesBackend:
     #: Set by the model to an OpenCLBackend for `--backend opencl`; the numpy simulation otherwise.
     backend = NUMPY
 
-
-def _qt(values, q):
-    from maceq.runtime.model import QTensor
-
-    return QTensor(values, q)
 
 
 @dataclass(frozen=True)
@@ -84,7 +79,7 @@ class GpuConv2D(_GpuConvBase):
     def run(self, p: GpuConvParams, inputs):
         y = self.backend.conv2d(inputs[0].values, inputs[1].values, inputs[2].values, x_zp=p.x_zp, out_zp=p.out_zp,
                          scale_c=p.scale_c, strides=p.strides, pads=p.pads, dilations=p.dilations)
-        return [_qt(y, p.out_q)]
+        return [QTensor(y, p.out_q)]
 
 
 @register("DepthwiseConv2d", device=GPU)
@@ -93,7 +88,7 @@ class GpuDepthwiseConv2d(_GpuConvBase):
         y = self.backend.depthwise_conv2d(inputs[0].values, inputs[1].values, inputs[2].values, x_zp=p.x_zp,
                                    out_zp=p.out_zp, scale_c=p.scale_c, strides=p.strides, pads=p.pads,
                                    dilations=p.dilations)
-        return [_qt(y, p.out_q)]
+        return [QTensor(y, p.out_q)]
 
 
 @register("FullyConnected", device=GPU)
@@ -103,7 +98,7 @@ class GpuFullyConnected(_GpuConvBase):
         n = x.shape[0]
         y = self.backend.fully_connected(x.reshape(n, -1), w.reshape(w.shape[0], -1), inputs[2].values, x_zp=p.x_zp,
                                   out_zp=p.out_zp, scale_c=p.scale_c)
-        return [_qt(y.reshape(n, 1, 1, -1), p.out_q)]
+        return [QTensor(y.reshape(n, 1, 1, -1), p.out_q)]
 
 
 @dataclass(frozen=True)
@@ -128,7 +123,7 @@ class GpuEltwise(_UsesBackend):
         y = self.backend.eltwise_add(a.values, b.values, a_scale=a.qinfo.scale, a_zp=a.qinfo.zero_point,
                               b_scale=b.qinfo.scale, b_zp=b.qinfo.zero_point, out_scale=out_scale,
                               out_zp=p.out_zp, subtract=p.subtract)
-        return [_qt(y, QInfo(out_scale, p.out_zp))]
+        return [QTensor(y, QInfo(out_scale, p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -147,7 +142,7 @@ class GpuPooling(_UsesBackend):
 
     def run(self, p: GpuPoolParams, inputs):
         fn = self.backend.max_pool if p.kind == 2 else self.backend.avg_pool
-        return [_qt(fn(inputs[0].values, kernel=p.kernel, strides=p.strides, pads=p.pads), inputs[0].qinfo)]
+        return [QTensor(fn(inputs[0].values, kernel=p.kernel, strides=p.strides, pads=p.pads), inputs[0].qinfo)]
 
 
 @dataclass(frozen=True)
@@ -164,7 +159,7 @@ class GpuReduce(_UsesBackend):
         return GpuReduceParams(axes)
 
     def run(self, p: GpuReduceParams, inputs):
-        return [_qt(self.backend.global_avg_pool(inputs[0].values), inputs[0].qinfo)]
+        return [QTensor(self.backend.global_avg_pool(inputs[0].values), inputs[0].qinfo)]
 
 
 @dataclass(frozen=True)
@@ -184,7 +179,7 @@ class GpuConcat(_UsesBackend):
         out_scale = float(np.int32(p.out_scale_bits).view(np.float32))
         y = self.backend.concat([t.values for t in inputs], axis=p.axis, in_qinfos=[t.qinfo for t in inputs],
                          out_scale=out_scale, out_zp=p.out_zp)
-        return [_qt(y, QInfo(out_scale, p.out_zp))]
+        return [QTensor(y, QInfo(out_scale, p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -205,7 +200,7 @@ class GpuSoftmax(_UsesBackend):
         out_scale = float(np.int32(p.out_scale_bits).view(np.float32))
         y = self.backend.float_softmax(x.values, in_scale=x.qinfo.scale, in_zp=x.qinfo.zero_point, out_scale=out_scale,
                                 out_zp=p.out_zp)
-        return [_qt(y, QInfo(out_scale, p.out_zp))]
+        return [QTensor(y, QInfo(out_scale, p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -227,7 +222,7 @@ class GpuQuantize(_UsesBackend):
             y = self.backend.quantize_half(x, scale=scale, zero_point=p.zero_point)
         else:
             y = self.backend.quantize(np.asarray(x, np.float32), scale=scale, zero_point=p.zero_point)
-        return [_qt(y, QInfo(scale, p.zero_point))]
+        return [QTensor(y, QInfo(scale, p.zero_point))]
 
 
 @dataclass(frozen=True)
@@ -243,7 +238,7 @@ class GpuDequantize(_UsesBackend):
     def run(self, p, inputs):
         # fp16_fp32 mode: the Dequantize op's output image is half
         t = inputs[0]
-        return [_qt(self.backend.dequantize_half(t.values, scale=t.qinfo.scale, zero_point=t.qinfo.zero_point),
+        return [QTensor(self.backend.dequantize_half(t.values, scale=t.qinfo.scale, zero_point=t.qinfo.zero_point),
                     None)]
 
 
@@ -271,12 +266,12 @@ class GpuFloatActivation(_UsesBackend):
         kind = {"SIGMOID": K.GpuActivation.SIGMOID, "HARDSIGMOID": K.GpuActivation.HARD_SIGMOID}.get(act.kind.name)
         x = inputs[0].values
         if kind is None or x.dtype != np.float16:
-            out = _F.Activation().run(p, [_qt(x.astype(np.float32), None)])
-            return [_qt(out[0].values.astype(np.float16), None)]
+            out = _F.Activation().run(p, [QTensor(x.astype(np.float32), None)])
+            return [QTensor(out[0].values.astype(np.float16), None)]
         alpha = beta = None
         if kind is K.GpuActivation.HARD_SIGMOID:
             alpha, beta = act.hs_alpha, act.hs_beta
-        return [_qt(self.backend.half_activation(x, kind=kind, alpha=alpha, beta=beta), None)]
+        return [QTensor(self.backend.half_activation(x, kind=kind, alpha=alpha, beta=beta), None)]
 
 
 @register("Eltwise", device=GPU, dtype=DType.FLOAT)
@@ -293,7 +288,7 @@ class GpuFloatEltwise(_UsesBackend):
         ep = _float_params(p)
         if (ep.kind.name == "PROD" and len(vals) == 2 and not any(ep.const_inputs)
                 and all(v.dtype == np.float16 for v in vals)):
-            return [_qt(self.backend.half_mul(vals[0], vals[1]), None)]
-        out = _F.Eltwise().run(p, [_qt(v.astype(np.float32) if v.dtype == np.float16 else v, t.qinfo)
+            return [QTensor(self.backend.half_mul(vals[0], vals[1]), None)]
+        out = _F.Eltwise().run(p, [QTensor(v.astype(np.float32) if v.dtype == np.float16 else v, t.qinfo)
                                    for v, t in zip(vals, inputs)])
-        return [_qt(out[0].values.astype(np.float16), None)]
+        return [QTensor(out[0].values.astype(np.float16), None)]

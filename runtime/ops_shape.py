@@ -13,6 +13,8 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.runtime.graph import RtOp
+from maceq.runtime.kernels.resize import MaceCoordMode, resize_bilinear_mace
+from maceq.runtime.qtypes import QTensor
 from maceq.runtime.registry import register
 
 
@@ -28,8 +30,6 @@ class _View:
         return ViewParams(tuple(int(d) for d in op.output_shapes[0][1:]))
 
     def run(self, p: ViewParams, inputs):
-        from maceq.runtime.model import QTensor
-
         x = inputs[0]
         n = x.values.shape[0]
         if int(np.prod(p.tail)) * n != x.values.size:
@@ -80,9 +80,6 @@ class ResizeBilinear:
                             bits)
 
     def run(self, p: ResizeParams, inputs):
-        from maceq.runtime.kernels.resize import MaceCoordMode, resize_bilinear_mace
-        from maceq.runtime.model import QTensor
-
         scale_hw = None
         if p.scale_hw_bits is not None:
             scale_hw = tuple(float(np.int32(b).view(np.float32)) for b in p.scale_hw_bits)

@@ -23,3 +23,17 @@ class QInfo:
     @property
     def scale_f32(self) -> np.float32:
         return np.float32(self.scale)
+
+
+@dataclass
+class QTensor:
+    """A tensor as the device holds it: raw integer codes (NHWC for 4-D) and their quantization."""
+
+    values: np.ndarray
+    qinfo: QInfo | None  # None for float tensors
+
+    def dequantize(self) -> np.ndarray:
+        if self.qinfo is None:
+            return self.values.astype(np.float32)
+        return (np.float32(self.qinfo.scale) * (self.values.astype(np.int32) - self.qinfo.zero_point)).astype(np.float32)
+

@@ -27,6 +27,12 @@ import threading
 from contextlib import contextmanager
 
 from maceq.errors import MaceqError
+from maceq.runtime.kernels import blas
+
+try:  # numba is a declared dependency; without it the numpy paths run on one thread
+    import numba
+except ImportError:  # pragma: no cover
+    numba = None
 
 __all__ = ["default_threads", "limit", "current", "section", "blas_held"]
 
@@ -37,11 +43,7 @@ _BLAS_CTX = None
 
 
 def _numba_max() -> int:
-    try:
-        from numba import config
-    except ImportError:  # pragma: no cover
-        return 1
-    return max(1, int(config.NUMBA_NUM_THREADS))
+    return 1 if numba is None else max(1, int(numba.config.NUMBA_NUM_THREADS))
 
 
 def default_threads() -> int:
@@ -86,13 +88,9 @@ def section(threads: int | None = None):
     if not isinstance(n, int) or n < 1:
         raise MaceqError(f"threads must be a positive integer, got {n!r}")
     n = min(n, _numba_max())
-    from maceq.runtime.kernels import jit
-
-    if not jit.available():
+    if numba is None:
         yield n
         return
-    import numba
-
     previous = numba.get_num_threads()
     numba.set_num_threads(n)  # per calling thread in numba
     with _LOCK:
@@ -113,8 +111,6 @@ def blas_held():
     """BLAS on one thread while compiled blocks call it: inside a :func:`section` until the section
     ends (entered once per run), else for this block only."""
     global _BLAS_CTX
-    from maceq.runtime.kernels import blas
-
     with _LOCK:
         inside = _DEPTH > 0
         if inside and _BLAS_CTX is None:

@@ -17,7 +17,7 @@ from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
-from maceq.quant.pipeline import calibrate, write_quantized
+from maceq.app.pipeline import calibrate, write_quantized
 from maceq.reports.analysis import OpRunner, RunningError, analyze_layers, quantize_input
 from maceq.runtime import load
 from maceq.runtime.model import QTensor

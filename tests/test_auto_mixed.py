@@ -1,4 +1,4 @@
-"""Automatic mixed precision (quant/mixed.py) on real models and photos.
+"""Automatic mixed precision (app/mixed.py) on real models and photos.
 
 Checks the search's contract against independent measurements: the written model's ops (fp32
 layers really are float32 MACE ops), an independent evaluate() of the final model, the .data file
@@ -15,8 +15,8 @@ from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
-from maceq.quant.mixed import auto_mixed_precision, holdout_split
-from maceq.quant.pipeline import calibrate
+from maceq.app.mixed import auto_mixed_precision, holdout_split
+from maceq.app.pipeline import calibrate
 from maceq.reports.evaluate import evaluate
 from maceq.runtime import load
 

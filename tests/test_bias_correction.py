@@ -1,4 +1,4 @@
-"""Empirical bias correction (quant/bias_correction.py), recipes and the recovery switches.
+"""Empirical bias correction (app/bias_correction.py), recipes and the recovery switches.
 
 Oracles:
 - the mean pre-activation output ``sum W*m + b`` from ``tap_means`` against onnxruntime running the
@@ -20,11 +20,11 @@ from onnx import TensorProto, helper, numpy_helper
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
-from maceq.quant import bias_correction as bc
-from maceq.quant.cli import quantize_main
+from maceq.app import bias_correction as bc
+from maceq.app.cli import quantize_main
 from maceq.quant.config import QuantConfig, config_from_dict
-from maceq.quant.pipeline import calibrate, correct_bias, write_quantized
-from maceq.reports.analysis import float_session
+from maceq.app.pipeline import calibrate, correct_bias, write_quantized
+from maceq.calibrate.runner import make_session
 from maceq.runtime import load
 
 
@@ -49,8 +49,8 @@ def test_tap_means_give_the_mean_conv_output(strides, pads, dilations, group, ci
     x = rng.normal(0.5, 1.0, (3, cin, 9, 8)).astype(np.float32)
     w = rng.normal(0, 1, (cout, cin // group, k, k)).astype(np.float32)
     b = rng.normal(0, 1, cout).astype(np.float32)
-    sess = float_session(_conv_model(w, b, strides=strides, pads=pads, dilations=dilations, group=group,
-                                     x_shape=x.shape))
+    sess = make_session(_conv_model(w, b, strides=strides, pads=pads, dilations=dilations, group=group,
+                                     x_shape=x.shape), optimize=False)
     y = sess.run(None, {"x": x})[0].astype(np.float64)
     want = y.mean(axis=(0, 2, 3))
     lay = bc._Layer("n", "conv", "x", "y", w.astype(np.float64), b.astype(np.float64), group, strides, dilations,
@@ -130,7 +130,7 @@ def test_correction_is_what_the_written_model_computes(fmnist_cal, shared_data, 
     assert lin
     for n in lin:
         g.graph.output.append(onnx.helper.make_empty_tensor_value_info(n.outputs[0]))
-    sess = float_session(g)
+    sess = make_session(g, optimize=False)
     fl = dict(zip([n.outputs[0] for n in lin], sess.run([n.outputs[0] for n in lin],
                                                          {cal.graph.inputs[0].name: x})))
 

@@ -2,8 +2,8 @@
 import numpy as np
 
 from maceq.quant.build import build_mace_model
-from maceq.quant.mace.format import pack_tensors, read_ranges
-from maceq.quant.pipeline import prepare_graph
+from maceq.mace.format import pack_tensors, read_ranges
+from maceq.quant.prepare import prepare_graph
 from maceq.quant.scheme import adjust_range, quantize_weights
 
 

@@ -9,7 +9,7 @@ from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
-from maceq.quant.pipeline import quantize
+from maceq.app.pipeline import quantize
 from maceq.runtime import load
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from maceq.errors import MaceqError
+from maceq.quant import converter as qc
 from maceq.runtime.kernels import dsp
 from maceq.runtime.kernels import nnlib_ref as r
 
@@ -72,7 +73,7 @@ def test_range_adjustment_rules():
             a, b, _ = r.adjust_minmax_for_zero_with_constraints(lo, hi, c)
             z = -Fraction(a) * 255 / (Fraction(b) - Fraction(a))
             assert abs(z - round(z)) < Fraction(1, 2**12)
-        s, zp, a, b = r.mace_adjust_range_for_hexagon(lo, hi)
+        a, b, s, zp = qc.mace_adjust_range_for_hexagon(lo, hi)
         assert 0 <= zp <= 255 and abs(a + zp * s) < 1e-12 and abs(b - (255 - zp) * s) < 1e-9
     assert dsp.quantize_adjust_range(0.0, 6.0)[:2] == (0.0, 6.0)
     assert dsp.quantize_adjust_range(0.0, 6.0)[3] == 0
@@ -160,7 +161,7 @@ def test_add_first_stage_is_floor_of_scaled_sum_and_output_is_close_to_ideal():
         subtract = trial % 2 == 1
         if subtract:
             out = (rng_a[0] - rng_b[1], rng_a[1] - rng_b[0])
-        out = dsp.mace_adjust_range_for_hexagon(*out)[:2]
+        out = qc.mace_adjust_range_for_hexagon(*out)[:2]
         za, sa = r.get_qu8_level_size_zero(r.f32(rng_a[0]), r.f32(rng_a[1]))
         zb, sb = r.get_qu8_level_size_zero(r.f32(rng_b[0]), r.f32(rng_b[1]))
         omin, omax, _ = r.adjust_minmax_for_zero_with_constraints(out[0], out[1], 3)
@@ -229,7 +230,7 @@ def _rand_range(rng, *, allow_positive=True):
     lo, hi = -float(rng.uniform(0.05, 5)), float(rng.uniform(0.05, 5))
     if kind == 2:
         return lo, hi  # unadjusted: nnlib's own zero handling applies
-    return dsp.mace_adjust_range_for_hexagon(lo, hi)[:2]
+    return qc.mace_adjust_range_for_hexagon(lo, hi)[:2]
 
 
 def _out_range(rng):
@@ -244,7 +245,7 @@ def _out_range(rng):
         return 0.0, float(rng.uniform(0.01, 0.3))  # saturating
     if k == 4:
         return -float(rng.uniform(50, 500)), float(rng.uniform(50, 500))  # coarse
-    return dsp.mace_adjust_range_for_hexagon(-float(rng.uniform(0.1, 8)), float(rng.uniform(0.1, 8)))[:2]
+    return qc.mace_adjust_range_for_hexagon(-float(rng.uniform(0.1, 8)), float(rng.uniform(0.1, 8)))[:2]
 
 
 def _same(a, b):
@@ -296,7 +297,7 @@ def _conv_case(rng, *, depthwise):
     if rng.random() < 0.2:
         bias, b_min, b_max = np.zeros(o, np.int32), 0.0, 0.0  # MACE's add_bias (range 0..0)
     else:
-        bias, b_min, b_max = dsp.mace_quantize_bias(rng.normal(size=o) * float(10 ** rng.uniform(-2, 1)))
+        bias, b_min, b_max = qc.mace_quantize_bias(rng.normal(size=o) * float(10 ** rng.uniform(-2, 1)))
     out_min, out_max = _out_range(rng)
     return x, wt, bias, dict(x_min=x_min, x_max=x_max, w_min=w_min, w_max=w_max, bias_min=b_min, bias_max=b_max,
                              out_min=out_min, out_max=out_max, strides=strides, padding=padding)
@@ -344,7 +345,7 @@ def test_depthwise_fast_equals_scalar():
         if i % 4 == 0:  # 40 channels, 3x3: junk columns reading the next slice's depth-padding lanes
             x = rng.integers(0, 256, (1, 3, 8, 40), dtype=np.uint8)
             w = rng.integers(0, 256, (3, 3, 40, 1), dtype=np.uint8)
-            bias, kw["bias_min"], kw["bias_max"] = dsp.mace_quantize_bias(rng.normal(size=40))
+            bias, kw["bias_min"], kw["bias_max"] = qc.mace_quantize_bias(rng.normal(size=40))
             kw.update(strides=(1, 2), padding="SAME", out_min=-INF, out_max=INF)
         tally.add(r.depthwise_supernode_ref(x, w, bias, **kw), dsp.depthwise_supernode(x, w, bias, **kw))
     assert tally.counts() == (0, 0)
@@ -368,7 +369,7 @@ def test_superfc_fast_equals_scalar():
         n, k, o = int(rng.integers(1, 4)), int(rng.integers(1, 60)), int(rng.integers(1, 9))
         x = rng.integers(0, 256, (n, k), dtype=np.uint8)
         w = rng.integers(0, 256, (k, o), dtype=np.uint8)
-        bias, b_min, b_max = dsp.mace_quantize_bias(rng.normal(size=o) * float(10 ** rng.uniform(-2, 1)))
+        bias, b_min, b_max = qc.mace_quantize_bias(rng.normal(size=o) * float(10 ** rng.uniform(-2, 1)))
         out_min, out_max = _out_range(rng)
         kw = dict(x_min=_rand_range(rng)[0], x_max=_rand_range(rng)[1], w_min=_rand_range(rng, allow_positive=False)[0],
                   w_max=float(rng.uniform(0.1, 2)), bias_min=b_min, bias_max=b_max, out_min=out_min, out_max=out_max)
@@ -383,7 +384,7 @@ def test_superfc_hvx_fast_equals_scalar():
         n, k, o = int(rng.integers(1, 4)), int(rng.choice([32, 48, 64, 96])), int(rng.integers(1, 40))
         x = rng.integers(0, 256, (n, k), dtype=np.uint8)
         w = rng.integers(0, 256, (k, o), dtype=np.uint8)
-        bias, b_min, b_max = dsp.mace_quantize_bias(rng.normal(size=o) * float(10 ** rng.uniform(-2, 1)))
+        bias, b_min, b_max = qc.mace_quantize_bias(rng.normal(size=o) * float(10 ** rng.uniform(-2, 1)))
         out_min, out_max = _out_range(rng)
         x_min, x_max = _rand_range(rng)
         kw = dict(x_min=min(x_min, -0.01), x_max=x_max, w_min=_rand_range(rng, allow_positive=False)[0],
@@ -429,7 +430,7 @@ def test_add_sub_fast_equals_scalar_random_configs():
         ra, rb = _rand_range(rng), _rand_range(rng)
         k = rng.integers(0, 4)
         ro = [(-INF, INF), (0.0, INF), (-INF, float(rng.uniform(0.5, 5))),
-              dsp.mace_adjust_range_for_hexagon(ra[0] + rb[0], ra[1] + rb[1])[:2]][int(k)]
+              qc.mace_adjust_range_for_hexagon(ra[0] + rb[0], ra[1] + rb[1])[:2]][int(k)]
         kw = dict(a_min=ra[0], a_max=ra[1], b_min=rb[0], b_max=rb[1], out_min=ro[0], out_max=ro[1])
         sub = i % 3 == 0
         try:
@@ -653,7 +654,7 @@ def test_layout_converters():
     assert dsp.ohwi_to_hwio(w)[1, 2, 3, 1] == w[1, 1, 2, 3]
     fc = np.arange(5 * 2 * 2 * 3).reshape(5, 2, 2, 3)
     assert dsp.fc_weight_to_dsp(fc).shape == (12, 5) and dsp.fc_weight_to_dsp(fc)[7, 4] == fc.reshape(5, 12)[4, 7]
-    q, mn, mx = dsp.mace_quantize_bias([0.5, -2.0, 1.0])
+    q, mn, mx = qc.mace_quantize_bias([0.5, -2.0, 1.0])
     assert (mn, mx) == (-2.0, 2.0) and q[1] == -(2**31)
 
 
@@ -745,7 +746,7 @@ def _golden_conv(seed, shape, kshape, o, **kw):
     rng = np.random.default_rng(seed)
     x = rng.integers(0, 256, shape, dtype=np.uint8)
     w = rng.integers(0, 256, (*kshape, shape[3], o), dtype=np.uint8)
-    bias, bmin, bmax = dsp.mace_quantize_bias(rng.normal(0, 1, o))
+    bias, bmin, bmax = qc.mace_quantize_bias(rng.normal(0, 1, o))
     return x, w, bias, dict(x_min=-1.0, x_max=1.0, w_min=-1.0, w_max=0.5, bias_min=bmin, bias_max=bmax, **kw)
 
 
@@ -771,7 +772,7 @@ def test_depthwise_open_range_counts_the_padded_columns():
     rng = np.random.default_rng(93)
     x = rng.integers(0, 256, (1, 6, 8, 8), dtype=np.uint8)
     w = rng.integers(0, 256, (3, 3, 8, 1), dtype=np.uint8)
-    bias, bmin, bmax = dsp.mace_quantize_bias(rng.normal(0, 3, 8))
+    bias, bmin, bmax = qc.mace_quantize_bias(rng.normal(0, 3, 8))
     y, mn, mx = dsp.depthwise_supernode(x, w, bias, x_min=-1.0, x_max=1.0, w_min=-1.0, w_max=1.0, bias_min=bmin,
                                         bias_max=bmax, strides=(1, 1), padding="SAME")
     assert (_sha(y), _bits(mn), _bits(mx)) == ("cd6d7d28149a45c3", 3238002688, 1085677294)
@@ -781,7 +782,7 @@ def test_other_ops_match_nnlib():
     rng = np.random.default_rng(9)  # SuperFC_8x8p32to8 (superfc_execute_hvx), open range
     x = rng.integers(0, 256, (2, 64), dtype=np.uint8)
     w = rng.integers(0, 256, (64, 10), dtype=np.uint8)
-    bias, bmin, bmax = dsp.mace_quantize_bias(rng.normal(0, 1, 10))
+    bias, bmin, bmax = qc.mace_quantize_bias(rng.normal(0, 1, 10))
     y, mn, mx = dsp.superfc(x, w, bias, x_min=-1.0, x_max=1.0, w_min=-1.0, w_max=0.5, bias_min=bmin, bias_max=bmax)
     assert (_sha(y), _bits(mn), _bits(mx)) == ("c33e038b4a42a755", 3229665123, 1085605107)
     rng = np.random.default_rng(10)  # QuantizedConcat_8_d32

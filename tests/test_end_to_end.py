@@ -13,9 +13,9 @@ import yaml
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.labels import FASHION_MNIST_CLASSES
 from maceq.datasets.preprocess import PRESETS
-from maceq.quant.cli import maceq_main, quantize_main
+from maceq.app.cli import maceq_main, quantize_main
 from maceq.quant.config import QuantConfig
-from maceq.quant.pipeline import quantize
+from maceq.app.pipeline import quantize
 from maceq.reports.evaluate import evaluate
 from maceq.runtime import load
 
@@ -120,7 +120,7 @@ def test_cli_demo_eval_run_inspect(tmp_path, capsys, monkeypatch):
     assert list(tmp_path.iterdir()) == [tmp_path / "home"]  # nothing written to the working directory
     yml = tmp_path / "home" / "fmnist_mobilenet" / "fmnist_mobilenet.yml"
     assert yml.is_file()
-    from maceq.quant.cli import default_assets
+    from maceq.app.cli import default_assets
     img = sorted((default_assets() / "test" / "Trouser").iterdir())[0]
     assert maceq_main(["run", str(yml), "--input", str(img), "-o", str(tmp_path / "y.npy")]) == 0
     out = capsys.readouterr().out
@@ -155,7 +155,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_console_scripts_installed():
-    r = subprocess.run([sys.executable, "-m", "maceq.quant.cli", "--help"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "maceq.app.cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "inspect" in r.stdout
 
 
@@ -216,7 +216,7 @@ def test_cli_report_and_check(tmp_path, capsys, monkeypatch):
     bad = tmp_path / "bad.yml"
     bad.write_text("layers:\n  '*': {min_snr: 3}\n")
     assert maceq_main(["check", str(out / "report.json"), "--budget", str(bad)]) == 2
-    from maceq.quant.cli import default_assets
+    from maceq.app.cli import default_assets
     assert maceq_main(["report", str(out / "fmnist_mobilenet.yml"), "--images", str(default_assets() / "test"),
                        "-o", str(tmp_path / "again"), "-q", "--analysis-images", "8"]) == 0
     assert (tmp_path / "again" / "report.json").is_file()

@@ -21,7 +21,8 @@ from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
 from maceq.quant.ir import ACT_ATTR, Graph, Node, ValueInfo
 from maceq.quant.passes.equalize import collect_channel_stats, equalize
-from maceq.quant.pipeline import Calibration, prepare_graph, tensors_to_calibrate, write_quantized
+from maceq.app.pipeline import Calibration, write_quantized
+from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
 from maceq.reports.analysis import analyze_layers
 from maceq.runtime import load
 

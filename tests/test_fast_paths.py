@@ -28,7 +28,7 @@ from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
-from maceq.quant.pipeline import quantize
+from maceq.app.pipeline import quantize
 from maceq.runtime import load
 from maceq.runtime.fixedpoint import INT32_MAX, INT32_MIN, multiply_by_quantized_multiplier, requant_floor_terms
 from maceq.runtime.kernels import conv as k_conv

@@ -5,7 +5,7 @@ Oracles:
   stride-2 depthwise of mobilenet_v2_fp32 (float taps of 2 images) and the whole model on its 3
   stored inputs. Acceptance: 0 differing float32 values (bit patterns).
 - Scalar transcriptions of MACE's C++ loops (``*_neon_ref`` in runtime/kernels/float_ops.py and
-  the small loops below), with fused steps from the exact rational ``nnlib_ref.fmaf``.
+  the small loops below), with fused steps from the exact rational ``cfloat.fmaf_exact``.
   Acceptance: bit-equal.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from maceq.runtime import load
 from maceq.runtime.kernels import cfloat
 from maceq.runtime.kernels import float_ops as K
-from maceq.runtime.kernels.nnlib_ref import fmaf as fmaf_exact
+from maceq.runtime.kernels.cfloat import fmaf_exact
 from maceq.runtime.model import QTensor
 
 F32 = np.float32

@@ -21,8 +21,8 @@ from PIL import Image
 import maceq.runtime.ops_float  # noqa: F401  (registers the float kernels)
 from maceq.errors import MaceqError
 from maceq.quant.ir import ACT_ATTR, Graph
-from maceq.quant.mace import add_arg, mace_pb2, read_model, write_model
-from maceq.quant.mace.float_ops import (FLOAT_EMITTABLE, FloatEmission, cancel_inverse_transposes,
+from maceq.mace import add_arg, mace_pb2, read_model, write_model
+from maceq.quant.float_emit import (FLOAT_EMITTABLE, FloatEmission, cancel_inverse_transposes,
                                         emit_float_node, stored_shape)
 from maceq.quant.onnx_import import import_onnx
 from maceq.runtime import load

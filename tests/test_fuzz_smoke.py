@@ -47,8 +47,8 @@ def test_target_seeds_regressions_and_mutations(name, shared_data):
 
 def test_seeds_load_cleanly(shared_data):
     """The real files themselves load without any error (the harness is not vacuous)."""
-    from maceq.quant.mace.format import read_model
-    from maceq.quant.pipeline import prepare_graph
+    from maceq.mace.format import read_model
+    from maceq.quant.prepare import prepare_graph
 
     m = read_model(shared_data / "mace_reference" / "fmnist_q8.yml")
     assert len(m.net_def.op) > 0 and m.arrays

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from maceq.errors import MaceqError
+from maceq.quant import converter as qc
 from maceq.runtime.kernels import gpu as g
 from maceq.runtime.opencl import OpenCLBackend, kernel_source
 
@@ -88,13 +89,13 @@ def test_quantize_weights_symmetric_per_channel():
     w = np.array([[127.0, -63.5, 31.75, 0.5, 1.5, 2.5],
                   [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
                   [-254.0, 5.0, 7.0, -1.0, 3.0, 253.0]], dtype=np.float32)
-    q, s = g.gpu_quantize_weights(w)
+    q, s = qc.gpu_quantize_weights(w)
     assert q.dtype == np.int8 and s.dtype == np.float32
     assert list(s) == [1.0, 1.0, 2.0]  # a zero channel gets scale 1
     assert q.tolist() == [[127, -64, 32, 0, 2, 2], [0] * 6, [-127, 2, 4, 0, 2, 126]]
     rng = np.random.default_rng(2)
     w = rng.standard_normal((5, 3, 3, 4)).astype(np.float32)
-    q, s = g.gpu_quantize_weights(w)
+    q, s = qc.gpu_quantize_weights(w)
     assert np.all(np.abs(q).reshape(5, -1).max(axis=1) == 127)
     assert np.all(np.abs(q.astype(np.float32) * s[:, None, None, None] - w) <= s[:, None, None, None] / 2 * 1.0001)
 

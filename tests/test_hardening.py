@@ -38,8 +38,9 @@ from maceq.datasets.images import ImageFolder, load_image
 from maceq.datasets.preprocess import Preprocess, preprocess_from_args
 from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
-from maceq.quant.mace.format import check_model_name, read_model, read_ranges, write_model
-from maceq.quant.pipeline import prepare_graph, quantize, tensors_to_calibrate
+from maceq.mace.format import check_model_name, read_model, read_ranges, write_model
+from maceq.app.pipeline import quantize
+from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
 from maceq.runtime.kernels import quantize as k_quant
 from maceq.runtime.model import load
 
@@ -60,7 +61,7 @@ def _env() -> dict:
 
 
 def _cli(args: list[str]) -> subprocess.Popen:
-    code = "import sys; from maceq.quant.cli import quantize_main; sys.exit(quantize_main(sys.argv[1:]))"
+    code = "import sys; from maceq.app.cli import quantize_main; sys.exit(quantize_main(sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=_env())
 
@@ -156,7 +157,7 @@ def test_min_max_ranges_do_not_depend_on_image_order():
 #: child stops (sleeps) and the parent SIGKILLs it, exactly at that moment of the write.
 KILL_CHILD = textwrap.dedent("""
     import os, sys, time
-    import maceq.quant.mace.format as fmt
+    import maceq.mace.format as fmt
     point = os.environ.get("MACEQ_KILL_POINT", "")
     def announce(tag):
         sys.stderr.write("@@ " + tag + "\\n"); sys.stderr.flush()
@@ -171,7 +172,7 @@ KILL_CHILD = textwrap.dedent("""
         announce("fsync:" + ("staging" if os.path.basename(str(folder)).startswith(".") else "out"))
     os.replace = replace
     fmt._fsync_dir = fsync_dir
-    from maceq.quant.cli import quantize_main
+    from maceq.app.cli import quantize_main
     sys.exit(quantize_main(sys.argv[1:]))
 """)
 
@@ -705,7 +706,7 @@ class _Boom:
 def test_a_pickled_npy_input_is_refused_and_runs_nothing(tmp_path, shared_data):
     """`maceq run --input evil.npy` with an object array whose pickle would run a command: exit 2
     with a one-line error, and nothing ran (np.load with allow_pickle=False)."""
-    from maceq.quant.cli import maceq_main
+    from maceq.app.cli import maceq_main
 
     _Boom.marker = tmp_path / "pwned"
     arr = np.empty(1, dtype=object)
@@ -748,7 +749,7 @@ def test_cli_name_is_checked_before_any_folder_is_made(tmp_path):
     making $MACEQ_HOME/../escaped (and before the calibration)."""
     env = _env()
     env["MACEQ_HOME"] = str(tmp_path / "home")
-    p = subprocess.run([sys.executable, "-c", "import sys; from maceq.quant.cli import quantize_main; "
+    p = subprocess.run([sys.executable, "-c", "import sys; from maceq.app.cli import quantize_main; "
                         "sys.exit(quantize_main(sys.argv[1:]))", str(DEMO), "--calib-dir", str(CALIB),
                         "--preset", "fmnist", "--max-images", "2", "--name", "../escaped", "-q"],
                        capture_output=True, text=True, env=env, timeout=120)

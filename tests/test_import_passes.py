@@ -9,7 +9,8 @@ from onnx import helper, numpy_helper
 
 from maceq.errors import MaceqError
 from maceq.quant.ir import ACT_ATTR
-from maceq.quant.onnx_import import fix_input_shapes, import_onnx, load_onnx
+from maceq.calibrate.runner import load_onnx
+from maceq.quant.onnx_import import fix_input_shapes, import_onnx
 from maceq.quant.passes import optimize
 
 MODELS = Path(__file__).resolve().parents[2] / "shared" / "data" / "models"

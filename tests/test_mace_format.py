@@ -22,7 +22,7 @@ from google.protobuf import descriptor_pb2, text_format
 from google.protobuf.internal import api_implementation
 
 from maceq.errors import MaceqError
-from maceq.quant.mace import (
+from maceq.mace import (
     add_arg,
     dump_text,
     get_arg,
@@ -34,7 +34,7 @@ from maceq.quant.mace import (
     write_model,
     write_ranges,
 )
-from maceq.quant.mace import format as mace_format
+from maceq.mace import format as mace_format
 
 REF = Path(__file__).resolve().parents[2] / "shared" / "data" / "mace_reference"
 if not REF.is_dir():  # the repo may live elsewhere; the data is always here

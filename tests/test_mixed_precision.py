@@ -13,7 +13,8 @@ from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
 from maceq.quant.build import select_nodes
 from maceq.quant.config import QuantConfig, config_from_dict
-from maceq.quant.pipeline import prepare_graph, quantize
+from maceq.app.pipeline import quantize
+from maceq.quant.prepare import prepare_graph
 from maceq.runtime import load
 
 
@@ -102,7 +103,7 @@ def test_unmatched_pattern_is_an_error(tmp_path, shared_data):
 
 
 def test_cli_auto_mode_flags(tmp_path, capsys, shared_data):
-    from maceq.quant.cli import quantize_main
+    from maceq.app.cli import quantize_main
 
     model = str(shared_data / "models" / "fmnist_mobilenet.onnx")
     calib = str(shared_data / "fashion_mnist" / "calib")

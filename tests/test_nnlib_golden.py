@@ -163,7 +163,7 @@ def golden_model(request, tmp_path_factory):
         if not meta["committed"]:
             shared = request.getfixturevalue("shared_data")
             folder = tmp_path_factory.mktemp(meta["model"])
-            from maceq.quant.cli import quantize_main
+            from maceq.app.cli import quantize_main
 
             argv = [a.replace("../shared/data", str(shared)) for a in meta["quantize_argv"]]
             assert quantize_main([str(folder) if a == "OUT" else a for a in argv]) == 0

@@ -30,7 +30,8 @@ from maceq.datasets.images import ImageFolder, UnreadableImageWarning, load_imag
 from maceq.datasets.labels import FASHION_MNIST_CLASSES
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
-from maceq.quant.pipeline import calibrate, prepare_graph, tensors_to_calibrate
+from maceq.app.pipeline import calibrate
+from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
 
 NUM_BINS = 2048
 
@@ -244,7 +245,7 @@ def test_ray_equals_local(fmnist, ray_cluster):
 
 @pytest.fixture(scope="module")
 def demo():
-    from maceq.quant.mixed import auto_mixed_precision
+    from maceq.app.mixed import auto_mixed_precision
 
     assets = Path(maceq.__file__).parent / "datasets" / "default"
     cal = calibrate(assets / "fmnist_mobilenet.onnx", assets / "calib", preprocess=PRESETS["fmnist"], progress=False)

@@ -7,7 +7,7 @@ import pytest
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
-from maceq.quant.pipeline import quantize
+from maceq.app.pipeline import quantize
 from maceq.reports.evaluate import evaluate, evaluate_segmentation
 from maceq.runtime import load
 

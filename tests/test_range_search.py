@@ -325,7 +325,7 @@ def test_method_names_and_parameters():
 
 
 def test_config_and_cli_accept_the_new_names(capsys):
-    from maceq.quant.cli import quantize_main
+    from maceq.app.cli import quantize_main
     from maceq.quant.config import config_from_dict
 
     c = config_from_dict({"range_method": "mse", "layers": {"/head/*": {"range_method": "kl"}}})

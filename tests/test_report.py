@@ -28,7 +28,7 @@ from maceq.datasets.images import ImageFolder
 from maceq.datasets.labels import FASHION_MNIST_CLASSES
 from maceq.datasets.preprocess import PRESETS
 from maceq.quant.config import QuantConfig
-from maceq.quant.pipeline import quantize
+from maceq.app.pipeline import quantize
 from maceq.reports.analysis import analyze_layers
 from maceq.reports.budget import budget_from_dict
 from maceq.reports.evaluate import evaluate

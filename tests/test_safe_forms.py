@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from maceq.quant.cli import quantize_main
+from maceq.app.cli import quantize_main
 from maceq.runtime import load, profiles
 from maceq.runtime.graph import RtOp
 from maceq.runtime.ops import Pad

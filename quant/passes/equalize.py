@@ -57,6 +57,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from maceq.calibrate.runner import _feed, expose_outputs, make_session
 from maceq.errors import MaceqError
 from maceq.quant.ir import ACT_ATTR, Graph, Node
 
@@ -594,8 +595,6 @@ def collect_channel_stats(graph: Graph, batches: Iterable[Any], *, input_name: s
                           ) -> dict[str, ChannelStats]:
     """Per-channel min/max of every Conv/Gemm pre-activation (before its fused clamp), keyed by the
     node's output tensor, over ``batches`` (Batch objects, dicts or arrays, as calibrate.runner.collect)."""
-    from maceq.calibrate.runner import _feed, expose_outputs, make_session
-
     nodes = [n for n in graph.nodes if n.op_type in ("Conv", "Gemm")]
     fetch = [preactivation_name(n) for n in nodes]
     if not fetch:

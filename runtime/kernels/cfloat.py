@@ -17,9 +17,14 @@ rounding each (round to nearest even), exactly what an ARM core computes for ``a
   of a device (glibc's ``expf`` in particular) is correctly rounded in all but a small fraction of
   cases. See docs/float-neon.md for the measured agreement.
 
-Scalar exact references for tests: :func:`maceq.runtime.kernels.nnlib_ref.fmaf` (exact rationals).
+The scalar binary32 steps on Python floats (``f32``, ``fadd`` ... ``fmaf_exact``, ``f32_bits``) are the
+references of the scalar kernel transcriptions (nnlib_ref.py, the ``*_ref`` float kernels).
 """
 from __future__ import annotations
+
+import math
+import struct
+from fractions import Fraction
 
 import numpy as np
 
@@ -31,6 +36,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
     _nb_intrinsic = None
 
 F32 = np.float32
+INF = float("inf")
 
 
 def fmaf(a, b, c) -> np.ndarray:
@@ -111,3 +117,89 @@ if _nb_intrinsic is not None:
         return sig, codegen
 else:  # pragma: no cover
     fma32 = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Scalar binary32 steps on Python floats (exact rationals where a step needs them): the
+# references the scalar kernel transcriptions use (nnlib_ref.py, float_ops.py *_ref)
+# ----------------------------------------------------------------------------------------------
+
+def f32(v) -> float:
+    """Round a Python float/int to the nearest binary32 (ties to even); overflow gives +-inf."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(v))
+
+
+def fadd(a: float, b: float) -> float:
+    return f32(a + b)
+
+
+def fsub(a: float, b: float) -> float:
+    return f32(a - b)
+
+
+def fmul(a: float, b: float) -> float:
+    return f32(a * b)
+
+
+def fdiv(a: float, b: float) -> float:
+    if b == 0.0:
+        if a == 0.0 or math.isnan(a):
+            return math.nan
+        return math.copysign(INF, a) * math.copysign(1.0, b)
+    return f32(a / b)
+
+
+def i2f(n: int) -> float:
+    """C ``(float)int``: nearest-even conversion of an integer."""
+    return f32(float(n)) if abs(n) < (1 << 53) else f32_from_fraction(Fraction(n))
+
+
+def fminf(a: float, b: float) -> float:
+    if math.isnan(a):
+        return b
+    if math.isnan(b):
+        return a
+    return a if a < b else b
+
+
+def fmaxf(a: float, b: float) -> float:
+    if math.isnan(a):
+        return b
+    if math.isnan(b):
+        return a
+    return a if a > b else b
+
+
+def f32_from_fraction(q: Fraction) -> float:
+    """The binary32 nearest to the exact rational q (ties to even), with subnormals and overflow."""
+    if q == 0:
+        return 0.0
+    sign = -1.0 if q < 0 else 1.0
+    q = abs(q)
+    e = q.numerator.bit_length() - q.denominator.bit_length()
+    if Fraction(2) ** e > q:
+        e -= 1
+    e = max(e, -126)  # subnormals share the 2^-149 grid
+    scaled = q * Fraction(2) ** (23 - e)
+    n = scaled.numerator // scaled.denominator
+    rem = scaled - n
+    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and n % 2 == 1):
+        n += 1
+    val = Fraction(n) * Fraction(2) ** (e - 23)
+    if val > Fraction(int("1" * 24, 2)) * Fraction(2) ** (127 - 23):
+        return sign * INF
+    return sign * float(val)
+
+
+def fmaf_exact(a: float, b: float, c: float) -> float:
+    """Fused a*b + c, rounded once to binary32 (Hexagon ``sfmpyacc``)."""
+    return f32_from_fraction(Fraction(a) * Fraction(b) + Fraction(c))
+
+
+def f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def bits_f32(u: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", u & 0xFFFFFFFF))[0]

@@ -37,7 +37,7 @@ from maceq.runtime.kernels.nnlib_ref import INF, Padding
 __all__ = [
     "Padding", "SupernodeVariant", "ohwi_to_hwio", "fc_weight_to_dsp", "padding_for_pads", "mace_padding_mode",
     "supports_conv",
-    "quantize_adjust_range", "mace_adjust_range_for_hexagon", "mace_quantize_bias", "mace_quantize_tensor",
+    "quantize_adjust_range",
     "supernode", "depthwise_supernode", "superfc", "quantized_add", "quantized_sub", "quantized_concat",
     "quantized_maxpool", "quantized_avgpool", "quantized_mean", "quantize", "quantize_input", "dequantize",
 ]
@@ -194,31 +194,6 @@ def quantize_adjust_range(min, max) -> tuple[float, float, float, int]:  # noqa:
     ar = r.quantize_adjust_range(min, max)
     zero, _ = r.get_qu8_level_size_zero(ar.minval, ar.maxval)
     return ar.minval, ar.maxval, ar.stepsize, zero
-
-
-def mace_adjust_range_for_hexagon(min, max) -> tuple[float, float, float, int]:  # noqa: A002
-    """MACE's converter rule for HEXAGON (float64) -> (adj_min, adj_max, scale, zero_point)."""
-    scale, zero, mn, mx = r.mace_adjust_range_for_hexagon(min, max)
-    return mn, mx, scale, zero
-
-
-def mace_quantize_bias(bias) -> tuple[np.ndarray, float, float]:
-    """MACE ``quantize_bias_for_hexagon``: symmetric over 2^32 levels -> (int32 codes, min, max)."""
-    data = np.asarray(bias, dtype=np.float64)
-    max_val = float(max(abs(data.min()), abs(data.max()))) if data.size else 0.0
-    if max_val == 0.0:
-        return np.zeros(data.shape, dtype=np.int32), 0.0, 0.0
-    scale = (2 * max_val) / 2 ** 32
-    q = np.clip(np.round(data / scale).astype(np.int64), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
-    return q, -max_val, max_val
-
-
-def mace_quantize_tensor(data) -> tuple[np.ndarray, float, float]:
-    """MACE ``quantize(data, HEXAGON, non_zero=False)`` (weights): -> (uint8 codes, min, max)."""
-    data = np.asarray(data, dtype=np.float64)
-    scale, zero, mn, mx = r.mace_adjust_range_for_hexagon(float(data.min()), float(data.max()))
-    q = np.clip(np.round(zero + data / scale).astype(np.int64), 0, 255).astype(np.uint8)
-    return q, mn, mx
 
 
 def _apply_relu(out_min, out_max, relu) -> tuple[float, float]:

@@ -36,7 +36,8 @@ from enum import Enum
 import numpy as np
 
 from maceq.errors import MaceqError
-from maceq.runtime.kernels.cfloat import expf, fma32, fmaf, hadd4, hsum4_seq, logf, tanhf
+from maceq.runtime.kernels import jit as k_jit
+from maceq.runtime.kernels.cfloat import expf, fma32, fmaf, fmaf_exact, hadd4, hsum4_seq, logf, tanhf
 
 F32 = np.float32
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -668,8 +669,6 @@ def depthwise3x3_neon_ref(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None,
     same order, each a rounded product and a rounded add. Then ``out + bias[c]``. The fused steps
     use the exact rational ``fmaf`` of ``nnlib_ref`` (independent of :func:`cfloat.fmaf`).
     """
-    from maceq.runtime.kernels.nnlib_ref import fmaf as fmaf_exact
-
     x, w = f32(x), f32(w)
     n, c, h, wd = x.shape
     mult = w.shape[0]
@@ -819,8 +818,6 @@ def conv2d_chain_ref(x: np.ndarray, w: np.ndarray, *, strides, pads, dilations, 
     """Scalar reference of the direct/GEMM NEON Conv2D sum (tests only): per output, from 0.0, over
     (c, kh, kw) in that order, ``acc = fmaf(in, w, acc)`` (fused) or ``acc + in * w`` (unfused); the
     input is zero-padded as MACE's ``PadInput`` pads it. No bias."""
-    from maceq.runtime.kernels.nnlib_ref import fmaf as fmaf_exact
-
     x, w = f32(x), f32(w)
     n, c = x.shape[:2]
     o, _, kh, kw = w.shape
@@ -844,8 +841,6 @@ def conv2d_chain(x: np.ndarray, w: np.ndarray, *, strides, pads, dilations, fuse
     Compiled (:func:`_conv_chain_compiled`, exact ``llvm.fma``) when the compiled loops are on,
     else numpy (:func:`cfloat.fmaf`); both give the same bits.
     """
-    from maceq.runtime.kernels import jit as k_jit
-
     x, w = f32(x), f32(w)
     n, c = x.shape[:2]
     o, _, kh, kw = w.shape

@@ -51,7 +51,6 @@ __all__ = [
     "GpuActivation",
     "ConvArgs",
     "conv_args",
-    "gpu_quantize_weights",
     "gpu_requant_scales",
     "gpu_inverse_scale",
     "gpu_requantize_acc",
@@ -245,31 +244,6 @@ def _wrap_acc(acc_f64: np.ndarray, bias: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------
 # weights
-
-
-def gpu_quantize_weights(w_float) -> tuple[np.ndarray, np.ndarray]:
-    """Contract: symmetric per-output-channel int8 weights (axis 0 is the output channel).
-
-    For each channel c, over every element of ``w[c]`` (float32 values):
-    ``amax = max |w|`` (exact), ``scale = f32(amax / 127)`` (one float32 division, as TFLite's
-    ``SymmetricPerChannelQuantization`` in tensorflow/lite/tools/optimize/quantization_utils.cc),
-    ``q = clip(rint(f32(w / scale)), -127, 127)`` with ``rint`` half to even (TFLite rounds
-    half away from zero; the gpu device's quantizer rounds like its kernels). A channel that
-    is all zeros (amax = 0) gets ``scale = 1.0`` and codes 0, so its requantization scale
-    stays finite and its output is the quantized bias alone.
-    Returns ``(w_int8, scales float32[O])``.
-    """
-    w = np.asarray(w_float, dtype=np.float64).astype(_F32)
-    if w.ndim < 1 or w.shape[0] == 0:
-        raise MaceqError(f"gpu_quantize_weights: need at least one output channel, got shape {w.shape}")
-    if not np.all(np.isfinite(w)):
-        raise MaceqError("gpu_quantize_weights: weights must be finite")
-    flat = w.reshape(w.shape[0], -1)
-    amax = np.abs(flat).max(axis=1) if flat.shape[1] else np.zeros(w.shape[0], _F32)
-    scales = np.where(amax > 0, amax / _F32(127), _F32(1)).astype(_F32)
-    q = np.rint(flat / scales[:, None])
-    q = np.clip(q, -127, 127).astype(np.int8).reshape(w.shape)
-    return q, scales
 
 
 # ----------------------------------------------------------------------------

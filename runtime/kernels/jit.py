@@ -46,6 +46,7 @@ import os
 
 import numpy as np
 
+from maceq.runtime import threads
 from maceq.runtime.kernels import blas
 
 try:  # numba is a declared dependency; the numpy paths stay as the fallback
@@ -326,8 +327,6 @@ def gemm_available() -> bool:
 def pointwise_conv(x: np.ndarray, x_zp: int, w: np.ndarray, rq, out: np.ndarray) -> None:
     """1x1 stride-1 unpadded convolution, group 1: x [rows, C] integer, w [C, O] offset filter
     (float32/float64, C-contiguous), requantized by ``rq`` (conv.py's _ExactRequant) into out [rows, O]."""
-    from maceq.runtime import threads
-
     gm = blas.gemm()
     rows, c = x.shape
     o = w.shape[1]
@@ -340,8 +339,6 @@ def pointwise_conv(x: np.ndarray, x_zp: int, w: np.ndarray, rq, out: np.ndarray)
 def im2col_conv(x: np.ndarray, x_zp: int, w: np.ndarray, g, rq, out: np.ndarray) -> None:
     """Convolution, group 1, of x [N, H, W, C] (geometry ``g``) with w [KH*KW*C, O] (offset filter in
     window order, float32/float64), requantized by ``rq`` into out [N, OH, OW, O]."""
-    from maceq.runtime import threads
-
     gm = blas.gemm()
     k, o = w.shape
     with threads.blas_held():

@@ -54,8 +54,22 @@ from fractions import Fraction
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.runtime.kernels.cfloat import (
+    INF,
+    f32,
+    fadd,
+    fsub,
+    fmul,
+    fdiv,
+    i2f,
+    fminf,
+    fmaxf,
+    f32_from_fraction,
+    fmaf_exact,
+    f32_bits,
+    bits_f32,
+)
 
-INF = float("inf")
 INT32_MIN = -(1 << 31)
 INT32_MAX = (1 << 31) - 1
 
@@ -102,91 +116,6 @@ def s8(v: int) -> int:
     return v - 256 if v >= 128 else v
 
 
-# ----------------------------------------------------------------------------------------------
-# binary32 helpers
-# ----------------------------------------------------------------------------------------------
-
-def f32(v) -> float:
-    """Round a Python float/int to the nearest binary32 (ties to even); overflow gives +-inf."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(v))
-
-
-def fadd(a: float, b: float) -> float:
-    return f32(a + b)
-
-
-def fsub(a: float, b: float) -> float:
-    return f32(a - b)
-
-
-def fmul(a: float, b: float) -> float:
-    return f32(a * b)
-
-
-def fdiv(a: float, b: float) -> float:
-    if b == 0.0:
-        if a == 0.0 or math.isnan(a):
-            return math.nan
-        return math.copysign(INF, a) * math.copysign(1.0, b)
-    return f32(a / b)
-
-
-def i2f(n: int) -> float:
-    """C ``(float)int``: nearest-even conversion of an integer."""
-    return f32(float(n)) if abs(n) < (1 << 53) else f32_from_fraction(Fraction(n))
-
-
-def fminf(a: float, b: float) -> float:
-    if math.isnan(a):
-        return b
-    if math.isnan(b):
-        return a
-    return a if a < b else b
-
-
-def fmaxf(a: float, b: float) -> float:
-    if math.isnan(a):
-        return b
-    if math.isnan(b):
-        return a
-    return a if a > b else b
-
-
-def f32_from_fraction(q: Fraction) -> float:
-    """The binary32 nearest to the exact rational q (ties to even), with subnormals and overflow."""
-    if q == 0:
-        return 0.0
-    sign = -1.0 if q < 0 else 1.0
-    q = abs(q)
-    e = q.numerator.bit_length() - q.denominator.bit_length()
-    if Fraction(2) ** e > q:
-        e -= 1
-    e = max(e, -126)  # subnormals share the 2^-149 grid
-    scaled = q * Fraction(2) ** (23 - e)
-    n = scaled.numerator // scaled.denominator
-    rem = scaled - n
-    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and n % 2 == 1):
-        n += 1
-    val = Fraction(n) * Fraction(2) ** (e - 23)
-    if val > Fraction(int("1" * 24, 2)) * Fraction(2) ** (127 - 23):
-        return sign * INF
-    return sign * float(val)
-
-
-def fmaf(a: float, b: float, c: float) -> float:
-    """Fused a*b + c, rounded once to binary32 (Hexagon ``sfmpyacc``)."""
-    return f32_from_fraction(Fraction(a) * Fraction(b) + Fraction(c))
-
-
-def f32_bits(x: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-def bits_f32(u: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", u & 0xFFFFFFFF))[0]
-
-
 def flt_getexp(x: float) -> int:
     """quantize.h: biased exponent field - 126 (frexp's exponent for normal x)."""
     return ((f32_bits(x) >> 23) & 0xFF) - 126
@@ -211,7 +140,7 @@ _DIV255_K2 = -float.fromhex("0xF.EFEFFp-36")
 
 def flt_div_255(x: float) -> float:
     """quantize.h ``flt_div_255`` on Hexagon: ``sfmpyacc(f32(K2*x), x, K1)`` = fma(x, K1, f32(K2*x))."""
-    return fmaf(x, _DIV255_K1, fmul(_DIV255_K2, x))
+    return fmaf_exact(x, _DIV255_K1, fmul(_DIV255_K2, x))
 
 
 def c_trunc_i32(x: float) -> int:
@@ -419,32 +348,6 @@ def round_up_quarter_octave(x: float) -> float:
     else:
         mant = f32(0.7071067691) if mant >= f32(0.594603539) else f32(0.594603539)
     return math.copysign(flt_ldexp(mant, flt_getexp(xk)), x)
-
-
-def mace_adjust_range_for_hexagon(in_min: float, in_max: float) -> tuple[float, int, float, float]:
-    """MACE quantize_util.py ``adjust_range_for_hexagon`` (Python float64) -> (scale, zero, min, max).
-
-    MACE's converter applies this to weights and to every activation range it hands nnlib.
-    """
-    out_max = max(0.0, float(in_max))
-    out_min = min(0.0, float(in_min))
-    scale = (out_max - out_min) / 255.0
-    eps = 1e-6
-    if out_min < -eps and out_max > eps:
-        zero = -out_min / scale
-        zero_int = int(round(zero))
-        ceil = int(math.ceil(zero))
-        keep_max = (ceil - zero) / out_max < (zero + 1 - ceil) / -out_min
-        if zero_int <= 0 or (zero_int < 254 and keep_max):
-            zero_int = ceil
-            scale = out_max / (255.0 - zero_int)
-        else:
-            scale = -out_min / zero_int
-    elif out_min > -eps:
-        zero_int = 0
-    else:
-        zero_int = 255
-    return scale, zero_int, -zero_int * scale, (255 - zero_int) * scale
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.quant.config import QuantConfig
-from maceq.quant.pipeline import quantize
+from maceq.app.pipeline import quantize
 from maceq.runtime import fixedpoint as fp
 from maceq.runtime import load
 from maceq.runtime.kernels import conv as k_conv

@@ -771,9 +771,9 @@ def _range(cfg: OpConfig, r) -> tuple:
     """A configured range as float32 values, made zero-exact MACE's way when cfg.adjust."""
     mn, mx = float(r[0]), float(r[1])
     if cfg.adjust and math.isfinite(mn) and math.isfinite(mx):
-        from maceq.runtime.kernels import dsp as K
+        from maceq.quant import converter as QC
 
-        mn, mx = K.mace_adjust_range_for_hexagon(mn, mx)[:2]
+        mn, mx = QC.mace_adjust_range_for_hexagon(mn, mx)[:2]
     return float(np.float32(mn)), float(np.float32(mx))
 
 
@@ -796,14 +796,14 @@ def _default_out_range(cfg: OpConfig, k_taps: int):
 
 
 def _weights(cfg: OpConfig, rng, shape, n_out):
-    from maceq.runtime.kernels import dsp as K
+    from maceq.quant import converter as QC
 
     from maceq.runtime.qtypes import QInfo
 
     consts = {"w": rng.integers(0, 256, shape, dtype=np.uint8)}
     qinfo = {"w": _qinfo(*_range(cfg, cfg.w_range))}
     if cfg.bias:  # maceq's dsp bias: symmetric over 2^32 levels (MACE's quantize_bias_for_hexagon)
-        b, bmn, bmx = K.mace_quantize_bias(rng.normal(0, 0.5, n_out))
+        b, bmn, bmx = QC.mace_quantize_bias(rng.normal(0, 0.5, n_out))
         consts["bias"] = b.astype(np.int32)
         qinfo["bias"] = QInfo(float(np.float32(2 * bmx / 2 ** 32)), 0, float(np.float32(bmn)), float(np.float32(bmx)))
     return consts, qinfo

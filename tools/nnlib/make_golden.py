@@ -263,7 +263,7 @@ def _sha(path: Path) -> str:
 
 
 def quantize(name: str, workdir: Path) -> Path:
-    from maceq.quant.cli import quantize_main
+    from maceq.app.cli import quantize_main
 
     out = workdir / name
     if quantize_main(quantize_argv(name, out)) != 0:

@@ -439,6 +439,7 @@ def demo(seed=0, n_add=12, n_conv=12, n_dw=8, harness=None, verbose=True, save_d
     save_dir: configurations with differences are saved there as .npz (inputs, args, both results).
     """
     try:
+        from maceq.quant import converter as QC
         from maceq.runtime.kernels import dsp as K
     except ImportError as e:
         raise NnlibError(f"maceq not importable ({e}): pip install -e the repo first") from None
@@ -522,6 +523,8 @@ def _demo_addsub(K, rng, n_add, kw, rec):
 
 
 def _demo_supernode(K, rng, n_conv, kw, rec):
+    from maceq.quant import converter as QC
+
     # ---- Supernode_8x8p32to8 -----------------------------------------------------------------
     fixed_conv = [((1, 8, 8, 32), 3, 32, 1, "SAME", "fixed"), ((1, 8, 8, 16), 1, 32, 1, "VALID", "fixed"),
                   ((1, 9, 9, 32), 3, 64, 2, "SAME", "fixed"), ((1, 7, 10, 24), 3, 40, 1, "VALID", "inf"),
@@ -537,7 +540,7 @@ def _demo_supernode(K, rng, n_conv, kw, rec):
         w = rng.integers(0, 256, (k, k, shape[3], o), dtype=np.uint8)
         xmin, xmax = _rand_range(rng, -2, 2)
         wmin, wmax = _rand_range(rng, -1, 1)
-        bias, bmin, bmax = K.mace_quantize_bias(rng.normal(0, 2, o))
+        bias, bmin, bmax = QC.mace_quantize_bias(rng.normal(0, 2, o))
         scale = math.sqrt(k * k * shape[3]) * max(abs(xmin), xmax) * max(abs(wmin), wmax) * 0.3
         omin, omax = {"fixed": (-scale, scale), "relu": (0.0, scale), "inf": (-math.inf, math.inf)}[kind]
         args = dict(x_min=xmin, x_max=xmax, w_min=wmin, w_max=wmax, bias_min=bmin, bias_max=bmax, out_min=omin,
@@ -557,6 +560,8 @@ def _demo_supernode(K, rng, n_conv, kw, rec):
 
 
 def _demo_depthwise(K, rng, n_dw, kw, rec):
+    from maceq.quant import converter as QC
+
     # ---- DepthwiseSupernode_8x8p32to8 --------------------------------------------------------
     dw_cases = [((1, 8, 8, 32), 3, 1, "SAME", "fixed"), ((1, 9, 9, 64), 3, 2, "SAME", "fixed"),
                 ((1, 8, 8, 32), 5, 1, "VALID", "inf")]
@@ -571,7 +576,7 @@ def _demo_depthwise(K, rng, n_dw, kw, rec):
         w = rng.integers(0, 256, (k, k, c, 1), dtype=np.uint8)
         xmin, xmax = _rand_range(rng, -2, 2)
         wmin, wmax = _rand_range(rng, -1, 1)
-        bias, bmin, bmax = K.mace_quantize_bias(rng.normal(0, 1, c))
+        bias, bmin, bmax = QC.mace_quantize_bias(rng.normal(0, 1, c))
         scale = k * max(abs(xmin), xmax) * max(abs(wmin), wmax) * 0.5
         omin, omax = {"fixed": (-scale, scale), "relu": (0.0, scale), "inf": (-math.inf, math.inf)}[kind]
         args = dict(x_min=xmin, x_max=xmax, w_min=wmin, w_max=wmax, bias_min=bmin, bias_max=bmax, out_min=omin,
@@ -764,6 +769,7 @@ def conv_then_avgpool(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_
 def demo_global_avgpool(seed=0, n=20, harness=None, verbose=True):
     """Global average pooling (1x1 output: avgpool_reduce_to_1x1, a range found from the data) after
     a d32 conv, vs maceq's dsp.supernode(D32) then dsp.quantized_avgpool -> {group: [Cmp...]}."""
+    from maceq.quant import converter as QC
     from maceq.runtime.kernels import dsp as K
     rng = np.random.default_rng(seed)
     groups: dict = {}
@@ -774,8 +780,8 @@ def demo_global_avgpool(seed=0, n=20, harness=None, verbose=True):
         x = rng.integers(0, 256, (nb, h, wd, c), dtype=np.uint8)
         w = rng.integers(0, 256, (1, 1, c, o), dtype=np.uint8)
         (xmin, xmax), (wmin, wmax) = _mace_range(rng, -2, 2), _mace_range(rng, -1, 1)
-        bias, bmin, bmax = K.mace_quantize_bias(rng.normal(0, 1, o))
-        from maceq.runtime.kernels.dsp import mace_adjust_range_for_hexagon as adj
+        bias, bmin, bmax = QC.mace_quantize_bias(rng.normal(0, 1, o))
+        from maceq.quant.converter import mace_adjust_range_for_hexagon as adj
         scale = math.sqrt(c) * max(abs(xmin), xmax) * max(abs(wmin), wmax) * 0.3
         omin, omax = adj(-scale * float(rng.uniform(0, 1)), scale)[:2]
         kernel, strides, pad = ((h, wd), (1, 1), "VALID") if rng.random() < 0.5 else ((h, wd), (h, wd), "SAME")
@@ -845,8 +851,8 @@ def _mace_range(rng, lo=-4.0, hi=4.0):
     """A random range, half the time adjusted as MACE's converter does (integral zero)."""
     mn, mx = _rand_range(rng, lo, hi)
     if rng.random() < 0.5:
-        from maceq.runtime.kernels import dsp as K
-        mn, mx = K.mace_adjust_range_for_hexagon(mn, mx)[:2]
+        from maceq.quant import converter as QC
+        mn, mx = QC.mace_adjust_range_for_hexagon(mn, mx)[:2]
     return float(mn), float(mx)
 
 
@@ -860,6 +866,7 @@ def demo_conv_sweep(seed=0, n_conv=20, n_dw=12, harness=None, verbose=True):
     """Supernode / DepthwiseSupernode on wider geometry than ``demo``: any input depth (InputSupernode,
     the flat op for odd stride widths), rectangular kernels, strides up to 4, SAME_CAFFE, batch 2,
     output ranges with one end given, bias scales up to 100x (``fill_bias_buf``'s float32 rounding)."""
+    from maceq.quant import converter as QC
     from maceq.runtime.kernels import dsp as K
     rng = np.random.default_rng(seed)
     groups: dict = {}
@@ -873,7 +880,7 @@ def demo_conv_sweep(seed=0, n_conv=20, n_dw=12, harness=None, verbose=True):
         x = rng.integers(0, 256, (n, h, wd, c), dtype=np.uint8)
         w = rng.integers(0, 256, (kh, kw, c, o), dtype=np.uint8)
         (xmin, xmax), (wmin, wmax) = _mace_range(rng, -2, 2), _mace_range(rng, -1, 1)
-        bias, bmin, bmax = K.mace_quantize_bias(rng.normal(0, float(10 ** rng.uniform(-1, 2)), o))
+        bias, bmin, bmax = QC.mace_quantize_bias(rng.normal(0, float(10 ** rng.uniform(-1, 2)), o))
         scale = math.sqrt(kh * kw * c) * max(abs(xmin), xmax) * max(abs(wmin), wmax) * 0.3
         kind, (omin, omax) = _out_kind(rng, scale)
         args = dict(x_min=xmin, x_max=xmax, w_min=wmin, w_max=wmax, bias_min=bmin, bias_max=bmax, out_min=omin,
@@ -894,7 +901,7 @@ def demo_conv_sweep(seed=0, n_conv=20, n_dw=12, harness=None, verbose=True):
         x = rng.integers(0, 256, (n, h, wd, c), dtype=np.uint8)
         w = rng.integers(0, 256, (kh, kw, c, 1), dtype=np.uint8)
         (xmin, xmax), (wmin, wmax) = _mace_range(rng, -2, 2), _mace_range(rng, -1, 1)
-        bias, bmin, bmax = K.mace_quantize_bias(rng.normal(0, float(10 ** rng.uniform(-1, 1.5)), c))
+        bias, bmin, bmax = QC.mace_quantize_bias(rng.normal(0, float(10 ** rng.uniform(-1, 1.5)), c))
         kind, (omin, omax) = _out_kind(rng, kh * max(abs(xmin), xmax) * max(abs(wmin), wmax) * 0.5)
         args = dict(x_min=xmin, x_max=xmax, w_min=wmin, w_max=wmax, bias_min=bmin, bias_max=bmax, out_min=omin,
                     out_max=omax, strides=(sh, sw), padding=pad)
@@ -952,12 +959,14 @@ def _demo_pools(K, rng, groups, kw, verbose):
 
 
 def _demo_superfc(K, rng, groups, kw, verbose):
+    from maceq.quant import converter as QC
+
     nb, k, o = int(rng.integers(1, 6)), int(rng.choice([16, 32, 40, 48, 64, 96, 128, 160])), int(
         rng.choice([1, 8, 32, 33, 70]))
     x = rng.integers(0, 256, (nb, k), dtype=np.uint8)
     w = rng.integers(0, 256, (k, o), dtype=np.uint8)
     (xmin, xmax), (wmin, wmax) = _mace_range(rng, -2, 2), _mace_range(rng, -1, 1)
-    bias, bmin, bmax = K.mace_quantize_bias(rng.normal(0, float(10 ** rng.uniform(-1, 1.5)), o))
+    bias, bmin, bmax = QC.mace_quantize_bias(rng.normal(0, float(10 ** rng.uniform(-1, 1.5)), o))
     kind, (omin, omax) = _out_kind(rng, math.sqrt(k) * max(abs(xmin), xmax) * max(abs(wmin), wmax) * 0.3)
     args = dict(x_min=xmin, x_max=xmax, w_min=wmin, w_max=wmax, bias_min=bmin, bias_max=bmax, out_min=omin,
                 out_max=omax)

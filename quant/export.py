@@ -1,8 +1,6 @@
-"""The `quantize` job: ONNX + image folder -> MACE uint8 model files.
-
-    load + import -> optimise -> calibrate (onnxruntime on the optimised graph)
-    -> ranges -> cpu quantization parameters -> MACE NetDef -> .pb/.data/.yml/ranges
-"""
+"""Write the quantized model for each device from one calibration: the builder's NetDef, the
+safe forms of the ops a device computes wrongly, and the MACE files (written to temporary names and
+renamed). Cheap: no image is run again."""
 from __future__ import annotations
 
 import hashlib
@@ -10,25 +8,21 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from maceq.calibrate.methods import compute_range
-from maceq.calibrate.parallel import collect_parallel
-from maceq.datasets.images import ImageFolder
+import numpy as np
+
 from maceq.datasets.preprocess import Preprocess
 from maceq.errors import MaceqError
+from maceq.mace.format import write_model
 from maceq.quant.build import build_mace_model, check_supported, select_nodes
-from maceq.quant.safe_forms import find_defects, in_memory_model, make_safe
 from maceq.quant.config import QuantConfig
 from maceq.quant.ir import Graph
-from maceq.quant.mace.format import write_model
-from maceq.quant.onnx_import import fix_input_shapes, import_onnx, load_onnx
-from maceq.quant.passes import optimize
-
-VIEW_OPS = ("Flatten", "Reshape", "Squeeze")
+from maceq.quant.safe_forms import find_defects, in_memory_model, make_safe
+from maceq.runtime.profiles import Device
 
 
 @dataclass
 class QuantizeResult:
-    files: object  # maceq.quant.mace.format.ModelFiles
+    files: object  # maceq.mace.format.ModelFiles
     graph: Graph
     placement: dict  # IR node name -> "uint8" | "float32"
     n_calib_images: int
@@ -40,15 +34,6 @@ class QuantizeResult:
     device_forms: dict = field(default_factory=dict)  # device -> {"safe_forms": [...], ...} (see _device_forms)
 
 
-def tensors_to_calibrate(graph: Graph) -> list[str]:
-    """Every tensor that gets a scale: the inputs and each non-view node's output."""
-    names = [vi.name for vi in graph.inputs]
-    for n in graph.nodes:
-        if n.op_type not in VIEW_OPS:
-            names.extend(n.outputs)
-    return names
-
-
 def _sha256(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -57,23 +42,24 @@ def _sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _is_dynamic(dims) -> bool:
-    return any(not (isinstance(d, int) and d > 0) for d in dims[1:])
+def with_biases(g: Graph, biases: dict[str, np.ndarray]) -> Graph:
+    """A copy of ``g`` whose listed Conv/Gemm nodes carry the given float biases (beta folded in)."""
+    g2 = g.copy()
+    for n in g2.nodes:
+        if n.name not in biases:
+            continue
+        b = np.asarray(biases[n.name], dtype=np.float32)
+        if n.op_type == "Gemm" and float(n.attr("beta", 1.0)) != 1.0:
+            n.attrs["beta"] = 1.0
+        name = n.inputs[2] if len(n.inputs) > 2 and n.inputs[2] else n.name + "_bias"
+        if name in g2.initializers and sum(name in m.inputs for m in g2.nodes) > 1:
+            name = n.name + "_bias_corrected"  # shared bias tensor: give this node its own
+        while len(n.inputs) < 3:
+            n.inputs.append("")
+        n.inputs[2] = name
+        g2.initializers[name] = b
+    return g2
 
-
-def prepare_graph(onnx_path: str | os.PathLike, *, input_shape: list[int] | None,
-                  preprocess: Preprocess | None = None):
-    """Import and optimise; dynamic spatial input dims come from ``input_shape``, else from the
-    preprocessing's fixed output size (e.g. ``--resize 640,640``)."""
-    model = load_onnx(onnx_path)
-    graph = import_onnx(model, source=os.fspath(onnx_path))
-    if (input_shape is None and preprocess is not None and len(graph.inputs) == 1
-            and _is_dynamic(graph.inputs[0].shape) and preprocess.output_shape() is not None):
-        input_shape = [1, *preprocess.output_shape()]
-    in_shapes = fix_input_shapes(graph, input_shape)
-    opt = optimize(graph, in_shapes)
-    shapes = opt.infer_shapes(in_shapes)
-    return opt, in_shapes, shapes
 
 
 @dataclass
@@ -102,110 +88,7 @@ class Calibration:
         biases = {n: b for n, b in (self.device_biases.get(device) or {}).items() if n not in fp32}
         if not biases:
             return self.graph
-        from maceq.quant.bias_correction import with_biases
-
         return with_biases(self.graph, biases)
-
-
-def _equalize(opt: Graph, config: QuantConfig, *, data: ImageFolder, in_name: str, progress: bool):
-    """Cross-layer equalization (+ high-bias absorption) of the optimised graph, in place, with the
-    per-channel pre-activation statistics of the calibration images (quant/passes/equalize.py)."""
-    from maceq.quant.passes.equalize import collect_channel_stats, equalize
-
-    stats = collect_channel_stats(opt, data.iter_batches(config.batch_size), input_name=in_name)
-    # ReLU6 links: a channel moves only if its pre-activation stays below the clip on every calibration
-    # image (headroom 1: exact on the calibration set; docs/recovery.md, "ReLU6").
-    rep = equalize(opt, relu6="calibrated", headroom=1.0, channel_stats=stats,
-                   absorb_bias=config.high_bias_absorption)
-    use_b = [r.grid_use_before for r in rep.layers]
-    use_a = [r.grid_use_after for r in rep.layers]
-    absorbed = sum(ln.absorbed_channels for ln in rep.links)
-    detail = (f"{len(rep.links)} layer pairs equalized in {rep.sweeps} sweeps; mean per-channel use of the "
-              f"per-tensor weight grid {100 * sum(use_b) / max(len(use_b), 1):.1f}% -> "
-              f"{100 * sum(use_a) / max(len(use_a), 1):.1f}%")
-    detail += (f"; high-bias absorption moved {absorbed} channel biases" if config.high_bias_absorption
-               else "; no high-bias absorption")
-    return opt, {"step": "cross-layer equalization", "detail": detail, "links": len(rep.links),
-                 "high_bias_absorption": bool(config.high_bias_absorption), "absorbed_channels": absorbed}
-
-
-def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, preprocess: Preprocess,
-              config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None, progress: bool = True,
-              strict: bool = False) -> Calibration:
-    """Import, optimise and calibrate: activation ranges for every tensor that gets a scale."""
-    onnx_path = Path(onnx_path)
-    opt, in_shapes, shapes = prepare_graph(onnx_path, input_shape=input_shape, preprocess=preprocess)
-    fp32 = select_nodes(opt, config.fp32_layers)
-    unmatched = [p for p in config.fp32_layers if not select_nodes(opt, [p])]
-    if unmatched:
-        raise MaceqError(f"fp32 layer pattern '{unmatched[0]}' matches no node of {onnx_path}")
-    check_supported(opt, strict=strict, shapes=shapes, fp32=fp32)  # fail before the (long) calibration
-    if len(opt.inputs) != 1:
-        raise MaceqError(f"{onnx_path}: {len(opt.inputs)} inputs; image calibration supports one-input models")
-    in_name = opt.inputs[0].name
-    want = in_shapes[in_name]
-    data = ImageFolder(calib_dir, preprocess, labels=None, limit=config.max_images)
-    got = preprocess.output_shape()
-    if got is not None and len(want) == 4 and tuple(got) != tuple(want[1:]):
-        raise MaceqError(f"preprocessing gives inputs of shape {tuple(got)}, model input '{in_name}' needs "
-                         f"{tuple(want[1:])}: adjust --preset/--resize/--crop or --input-shape")
-    recovery: list = []
-    if config.cle:
-        opt, step = _equalize(opt, config, data=data, in_name=in_name, progress=progress)
-        recovery.append(step)
-    names = tensors_to_calibrate(opt)
-    # one process (workers 1, local: calibrate.runner.collect here) or shards on processes / Ray tasks;
-    # bit-identical statistics either way (docs/parallel.md). Sets data.skipped like iter_batches.
-    stats = collect_parallel(opt.to_onnx(), names, data, workers=config.workers, executor=config.executor,
-                             ray_address=config.ray_address, batch_size=config.batch_size, input_name=in_name,
-                             progress=progress)
-    ranges = {}
-    for t in names:
-        method, pct = config.method_for(t)
-        ranges[t] = compute_range(stats[t], method, percentile=pct)
-    return Calibration(onnx_path, opt, in_shapes, shapes, ranges, len(data) - data.skipped, data.skipped,
-                       preprocess, config, calib_dir=Path(calib_dir), recovery=recovery)
-
-
-def correct_bias(cal: Calibration, devices: tuple[str, ...], *, progress: bool = True,
-                 fp32_nodes: set[str] | frozenset = frozenset()) -> None:
-    """Empirical bias correction (quant/bias_correction.py) of ``cal`` for each device, in place:
-    fills ``cal.device_biases`` and ``cal.device_recovery``. Needs ``cal.calib_dir``."""
-    from maceq.quant.bias_correction import correct_biases
-    from maceq.runtime.profiles import Device
-
-    if cal.calib_dir is None:
-        raise MaceqError("bias correction needs the calibration images (Calibration.calib_dir)")
-    n = cal.config.bias_correction_images
-    for device in devices:
-        device = Device.parse(device).value
-        data = ImageFolder(cal.calib_dir, cal.preprocess, labels=None, limit=n)
-        bc = correct_biases(cal, device=device, data=data, fp32_nodes=frozenset(fp32_nodes),
-                            batch_size=cal.config.batch_size, progress=progress)
-        cal.device_biases[device] = bc.biases
-        d = bc.to_dict()
-        cal.device_recovery[device] = [{
-            "step": "bias correction",
-            "detail": f"{d['layers']} layers corrected on {d['images']} calibration images (mean |shift| "
-                      f"{d['mean_abs_shift']:.3g}, largest layer mean {d['max_layer_shift']:.3g})",
-            **d}]
-
-
-def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, output_dir: str | os.PathLike,
-             preprocess: Preprocess, config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None,
-             model_name: str | None = None, progress: bool = True, extra_meta: dict | None = None,
-             strict: bool = False, devices: tuple[str, ...] = ("cpu",)) -> QuantizeResult:
-    """Quantize ``onnx_path`` for each device, calibrating once on the images in ``calib_dir``.
-
-    One device writes into ``output_dir``; several write one model each into ``output_dir/<device>/``.
-    ``result.files`` is the first device's; ``result.per_device`` has them all.
-    """
-    cal = calibrate(onnx_path, calib_dir, preprocess=preprocess, config=config, input_shape=input_shape,
-                    progress=progress, strict=strict)
-    if config.bias_correction:
-        correct_bias(cal, devices, progress=progress)
-    return write_quantized(cal, output_dir=output_dir, model_name=model_name, extra_meta=extra_meta, strict=strict,
-                           devices=devices)
 
 
 def check_degenerate(graph: Graph, ranges: dict, placement: dict) -> None:
@@ -213,8 +96,6 @@ def check_degenerate(graph: Graph, ranges: dict, placement: dict) -> None:
     all-zero constant weights of a uint8 Conv/ConvTranspose/Gemm/MatMul, and a tensor of a uint8 node
     that is 0 on every calibration image. MACE's converter gives both scale 0 and its runtime aborts in
     GetOutputMultiplierAndShift (mace/core/quantize.h)."""
-    import numpy as np
-
     for n in graph.nodes:
         if placement.get(n.name) != "uint8":
             continue
@@ -239,8 +120,6 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
 
     ``fp32_nodes``: node names kept in float32, in addition to the config's ``fp32_layers``.
     """
-    from maceq.runtime.profiles import Device
-
     devices = tuple(Device.parse(d).value for d in devices)
     if not devices or len(set(devices)) != len(devices):
         raise MaceqError(f"--device: give each device once, got {','.join(devices) or 'none'}")

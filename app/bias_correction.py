@@ -39,9 +39,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from maceq.calibrate.runner import make_session
 from maceq.errors import MaceqError
+from maceq.quant.build import check_supported, select_nodes
+from maceq.quant.export import write_quantized
 from maceq.quant.ir import Graph
 from maceq.quant.scheme import SCHEMES
+from maceq.runtime import load
+from maceq.runtime.qtypes import QInfo
 
 __all__ = ["BiasCorrection", "correct_biases", "dequantized_weights", "tap_means", "with_biases"]
 
@@ -185,27 +190,7 @@ def _mean_output(w: np.ndarray, m: np.ndarray, layer: _Layer) -> np.ndarray:
     return out
 
 
-def with_biases(g: Graph, biases: dict[str, np.ndarray]) -> Graph:
-    """A copy of ``g`` whose listed Conv/Gemm nodes carry the given float biases (beta folded in)."""
-    g2 = g.copy()
-    for n in g2.nodes:
-        if n.name not in biases:
-            continue
-        b = np.asarray(biases[n.name], dtype=np.float32)
-        if n.op_type == "Gemm" and float(n.attr("beta", 1.0)) != 1.0:
-            n.attrs["beta"] = 1.0
-        name = n.inputs[2] if len(n.inputs) > 2 and n.inputs[2] else n.name + "_bias"
-        if name in g2.initializers and sum(name in m.inputs for m in g2.nodes) > 1:
-            name = n.name + "_bias_corrected"  # shared bias tensor: give this node its own
-        while len(n.inputs) < 3:
-            n.inputs.append("")
-        n.inputs[2] = name
-        g2.initializers[name] = b
-    return g2
-
-
 def _float_sums(cal, layers: list[_Layer], batches, kernel_sizes) -> tuple[dict, dict, int]:
-    from maceq.reports.analysis import float_session
 
     m = cal.graph.to_onnx()
     have = {o.name for o in m.graph.output}
@@ -215,7 +200,7 @@ def _float_sums(cal, layers: list[_Layer], batches, kernel_sizes) -> tuple[dict,
     for t in want:
         if t not in have and t != cal.graph.inputs[0].name:
             m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
-    sess = float_session(m)
+    sess = make_session(m, optimize=False)
     names = [t for t in want if t != cal.graph.inputs[0].name]
     sums = {lay.node: 0.0 for lay in layers}
     counts = {lay.node: 0 for lay in layers}
@@ -250,16 +235,12 @@ def _layer_input(xq, crop) -> np.ndarray:
 
 def correct_biases(cal, *, device: str, data, fp32_nodes: frozenset[str] = frozenset(),
                    batch_size: int = 8, progress: bool = False) -> BiasCorrection:
-    """Empirical bias correction of ``cal`` (a :class:`maceq.quant.pipeline.Calibration`) for ``device``.
+    """Empirical bias correction of ``cal`` (a :class:`maceq.app.pipeline.Calibration`) for ``device``.
 
     ``data``: a :class:`maceq.datasets.images.ImageFolder` of the images to measure on (read twice:
     once for the float side, once for the quantized side, where they run as one batch). Returns the
     corrected float32 biases by IR node name; ``cal`` is not modified.
     """
-    from maceq.quant.build import check_supported, select_nodes
-    from maceq.quant.pipeline import write_quantized
-    from maceq.runtime import load
-    from maceq.runtime.qtypes import QInfo
 
     fp32 = select_nodes(cal.graph, cal.config.fp32_layers) | set(fp32_nodes)
     placement = check_supported(cal.graph, shapes=cal.shapes, fp32=fp32)

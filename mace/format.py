@@ -46,7 +46,7 @@ import numpy as np
 import yaml
 
 from maceq.errors import MaceqError, one_line
-from maceq.quant.mace import mace_pb2
+from maceq.mace import mace_pb2
 from maceq.yamlio import atomic_write
 
 # ---------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.quant.ir import ACT_ATTR, Graph, Node
-from maceq.quant.mace import add_arg, mace_pb2
+from maceq.mace import add_arg, mace_pb2
 from maceq.runtime.kernels import float_ops as K  # MACE's resize index / weight formulas
 
 DT_FLOAT, DT_INT32 = mace_pb2.DT_FLOAT, mace_pb2.DT_INT32

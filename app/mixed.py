@@ -46,8 +46,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from maceq.calibrate.parallel import Executor, TaskPool, check_workers
 from maceq.datasets.images import ImageFolder
 from maceq.errors import MaceqError
+from maceq.quant.export import write_quantized
+from maceq.reports.analysis import analyze_layers
+from maceq.reports.evaluate import evaluate
+from maceq.runtime.model import load
+from maceq.runtime.profiles import Device
 
 #: Slack when comparing a drop with the budget (both are in points; drops are multiples of 100/N).
 BUDGET_EPS = 1e-9
@@ -167,9 +173,6 @@ def holdout_split(calib_dir: str | os.PathLike, preprocess, *, used: int, limit:
 def _measure(cal, fp32: list[str], *, out_dir: Path, device: str, data: ImageFolder, batch_size: int,
              model_name: str | None, extra_meta: dict | None):
     """Write the model with ``fp32`` kept in float32, load it and evaluate it."""
-    from maceq.quant.pipeline import write_quantized
-    from maceq.reports.evaluate import evaluate
-    from maceq.runtime.model import load
 
     res = write_quantized(cal, output_dir=out_dir, devices=(device,), fp32_nodes=set(fp32), model_name=model_name,
                           extra_meta=extra_meta)
@@ -214,7 +217,7 @@ def auto_mixed_precision(cal, *, output_dir: str | os.PathLike, eval_data: Image
                          ray_address: str | None = None) -> MixedResult:
     """Greedy search for the fp32 layers that bring ``device``'s int8 model within ``budget_points``.
 
-    ``cal``: a :class:`maceq.quant.pipeline.Calibration`. ``eval_data``: the images the metric
+    ``cal``: a :class:`maceq.app.pipeline.Calibration`. ``eval_data``: the images the metric
     and the sensitivities are measured on (an eval folder, or :func:`holdout_split` of the
     calibration folder). The final model is written to ``output_dir``; the intermediate models
     of the search go to a scratch folder inside it, removed at the end. See the module docstring.
@@ -223,9 +226,6 @@ def auto_mixed_precision(cal, *, output_dir: str | os.PathLike, eval_data: Image
     measured; "local" with ``workers == 1`` (the default) measures them one after another in this
     process, anything else in parallel waves (module docstring), with identical results.
     """
-    from maceq.calibrate.parallel import Executor, check_workers
-    from maceq.reports.analysis import analyze_layers
-    from maceq.runtime.profiles import Device
 
     device = Device.parse(device).value
     budget = float(budget_points)
@@ -248,8 +248,6 @@ def auto_mixed_precision(cal, *, output_dir: str | os.PathLike, eval_data: Image
     try:
         pool = None
         if parallel:
-            from maceq.calibrate.parallel import TaskPool
-
             pool = TaskPool(_EvalJob(cal, eval_data, device, batch_size, model_name, extra_meta),
                             executor=executor, workers=workers, ray_address=ray_address)
         try:
@@ -327,7 +325,6 @@ def _search(cal, *, out, scratch, data, budget, min_sqnr, cap, device, model_nam
         k += 1
         chosen.append(c.node)
         record(len(trail), c.node, c.sqnr_db, "below_min_sqnr" if c.below_floor else "budget", measurement(k))
-    from maceq.quant.pipeline import write_quantized
 
     last = trail[-1]
     record = {"ok": ok, "budget_points": budget, "min_sqnr": min_sqnr, "max_fp32_layers": cap,

@@ -12,7 +12,7 @@ another ``mace.proto`` (MACE's own ``py_proto``) registered in the default pool.
 
 Usage mirrors protoc's gencode::
 
-    from maceq.quant.mace import mace_pb2
+    from maceq.mace import mace_pb2
     net = mace_pb2.NetDef()
     t = net.tensors.add(); t.data_type = mace_pb2.DT_UINT8
 """
@@ -133,7 +133,7 @@ _LABELS = {"optional": _F.LABEL_OPTIONAL, "repeated": _F.LABEL_REPEATED,
            "required": _F.LABEL_REQUIRED}
 
 PACKAGE = "mace"
-FILE_NAME = "maceq/quant/mace/mace.proto"
+FILE_NAME = "maceq/mace/mace.proto"
 
 
 def build_file_descriptor_proto() -> descriptor_pb2.FileDescriptorProto:

@@ -15,7 +15,19 @@ from pathlib import Path
 
 import numpy as np
 
+from maceq.app.mixed import auto_mixed_precision, holdout_split
+from maceq.app.pipeline import calibrate, correct_bias, quantize
+from maceq.calibrate.methods import RangeMethod
+from maceq.calibrate.parallel import Executor
+from maceq.datasets.images import ImageFolder, load_image
+from maceq.datasets.preprocess import Preprocess, preprocess_from_args
 from maceq.errors import MaceqError
+from maceq.mace.format import check_model_name
+from maceq.quant.config import QuantConfig, load_config
+from maceq.reports.budget import run_check
+from maceq.reports.evaluate import device_path_lines, evaluate, evaluate_segmentation
+from maceq.reports.report import make_report
+from maceq.runtime.model import load
 from maceq.yamlio import atomic_write, read_yaml
 
 DEFAULT_MODEL_NAME = "fmnist_mobilenet"
@@ -60,8 +72,6 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
 
 
 def _preprocess_from(args, recorded: dict | None):
-    from maceq.datasets.preprocess import Preprocess, preprocess_from_args
-
     if args.preset:
         base = preprocess_from_args(args.preset)
     elif recorded:
@@ -105,14 +115,6 @@ def _run_cli(fn, argv):
 
 # -- quantize ------------------------------------------------------------------------
 def _quantize(argv) -> int:
-    from maceq.calibrate.methods import RangeMethod
-    from maceq.calibrate.parallel import Executor
-    from maceq.datasets.images import ImageFolder
-    from maceq.quant.config import QuantConfig, load_config
-    from maceq.quant.mace.format import check_model_name
-    from maceq.quant.pipeline import quantize
-    from maceq.reports.evaluate import evaluate
-    from maceq.runtime.model import load
 
     p = argparse.ArgumentParser(prog="quantize", description="Quantize an ONNX model to a uint8 MACE model and "
                                 "simulate it bit-exactly. With no model, quantizes the embedded Fashion-MNIST demo.")
@@ -273,8 +275,6 @@ def _print_device_forms(res) -> None:
 
 
 def _write_report(per_device, data, out, graph, evals, args, mixed=None) -> int:
-    from maceq.reports.budget import run_check
-    from maceq.reports.report import make_report
 
     _, files = make_report(per_device, data, output_dir=out, float_model=graph, evals=evals, mixed=mixed,
                            budget=args.budget, progress=not args.quiet)
@@ -286,9 +286,6 @@ def _write_report(per_device, data, out, graph, evals, args, mixed=None) -> int:
 
 def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) -> int:
     """quantize --accuracy-budget: calibrate once, then search fp32 exemptions per device."""
-    from maceq.datasets.images import ImageFolder
-    from maceq.quant.mixed import auto_mixed_precision, holdout_split
-    from maceq.quant.pipeline import calibrate, correct_bias
 
     if args.accuracy_budget < 0:
         raise MaceqError("--accuracy-budget must be >= 0")
@@ -336,8 +333,6 @@ def quantize_main(argv=None) -> int:
 
 # -- maceq run / eval / inspect ------------------------------------------------------------
 def _load_input(path: str, model, pre):
-    from maceq.datasets.images import load_image
-
     if path.lower().endswith(".npy"):
         try:
             x = np.load(path, allow_pickle=False)
@@ -361,8 +356,6 @@ def _npy_bytes(outs: dict) -> bytes:
 
 
 def _cmd_run(args) -> int:
-    from maceq.runtime.model import load
-
     model = load(args.qmodel)
     pre = _preprocess_from(args, model.maceq_meta.get("preprocess"))
     x = _load_input(args.input, model, pre)
@@ -387,9 +380,6 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from maceq.datasets.images import ImageFolder
-    from maceq.reports.evaluate import evaluate, evaluate_segmentation
-    from maceq.runtime.model import load
 
     model = load(args.qmodel)
     meta = model.maceq_meta
@@ -415,8 +405,6 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from maceq.reports.evaluate import device_path_lines
-    from maceq.runtime.model import load
 
     model = load(args.qmodel)
     net = model.net_def
@@ -454,15 +442,10 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_check(args) -> int:
-    from maceq.reports.budget import run_check
-
     return run_check(args.report, args.budget, args.junit)
 
 
 def _cmd_report(args) -> int:
-    from maceq.datasets.images import ImageFolder
-    from maceq.reports.report import make_report
-    from maceq.runtime.model import load
 
     models = [load(p) for p in args.qmodel]
     meta = models[0].maceq_meta

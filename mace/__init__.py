@@ -2,8 +2,8 @@
 
 See docs/mace-format.md for the conventions MACE's converter follows.
 """
-from maceq.quant.mace import mace_pb2
-from maceq.quant.mace.format import (
+from maceq.mace import mace_pb2
+from maceq.mace.format import (
     DATA_FORMAT_NAMES,
     LoadedModel,
     ModelFiles,

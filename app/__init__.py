@@ -1,0 +1,1 @@
+"""The orchestration: the quantize pipeline, mixed precision, bias correction and the command-line tools."""
