@@ -21,7 +21,7 @@ from maceq.runtime import ops_gpu as _ops_gpu  # noqa: F401
 from maceq.runtime import ops_shape as _ops_shape  # noqa: F401
 from maceq.runtime import threads as _threads
 from maceq.runtime.graph import RtOp, parse_ops
-from maceq.runtime.profiles import DeviceProfile, get_profile
+from maceq.runtime.profiles import DeviceProfile, FloatStorage, get_profile
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import _REGISTRY, DType, lookup
 
@@ -227,7 +227,7 @@ class Model:
                 self._prepared = {k: v for k, v in self._prepared.items() if k[1] != idx}
             in_q = tuple(t.qinfo for t in ins)
             params = self._prepare(idx, op, kernel, in_q, profile)
-            half = profile.float_storage == "float16" and kernel.dtype is DType.FLOAT
+            half = profile.float_storage is FloatStorage.FLOAT16 and kernel.dtype is DType.FLOAT
             if half and not getattr(kernel, "half_storage", False):
                 # fp16_fp32 mode: float ops compute in float32 from half-stored inputs ...
                 ins = [QTensor(t.values.astype(np.float32), t.qinfo) if t.values.dtype == np.float16 else t

@@ -54,7 +54,7 @@ class DspConvParams:
     padding: int  # nnlib Padding (unused for conv: the mode is found at run time from the input size)
     out_range_bits: tuple[int, int]  # float32 bits of the stored output min/max
     cpu: object = None  # the cpu kernel's params when the op falls back
-    variant: str = "d32"  # the profile's supernode_variant
+    variant: K.SupernodeVariant = K.SupernodeVariant.D32  # the profile's supernode_variant
     kernel: tuple[int, int] = (1, 1)
     pads: tuple[int, int, int, int] = (0, 0, 0, 0)  # (top, left, bottom, right) from padding_values
     padding_arg: int | None = None  # a MACE ``padding`` argument (TensorFlow models)
@@ -120,7 +120,7 @@ class _DspConv(_Fallback):
             return self._fallback(op, in_q, ctx, why)
         lo, hi = rng(op.out_qinfo[0])
         p = DspConvParams(True, "", strides, 0, (f32_bits(lo), f32_bits(hi)),
-                          variant=ctx.profile.supernode_variant or "d32", kernel=tuple(kernel), pads=op_pads(op),
+                          variant=ctx.profile.supernode_variant or K.SupernodeVariant.D32, kernel=tuple(kernel), pads=op_pads(op),
                           padding_arg=op.arg("padding"))
         if op.output_shapes:  # the smallest input giving this output: MACE's converter must find a mode
             t, l, b, r = p.pads
@@ -146,8 +146,7 @@ class _DspConv(_Fallback):
         if self.depthwise:
             y, mn, mx = K.depthwise_supernode(x.values, w.values, b, **kw)
         else:
-            variant = K.SupernodeVariant.D32 if p.variant == "d32" else K.SupernodeVariant.REF
-            y, mn, mx = K.supernode(x.values, K.ohwi_to_hwio(w.values), b, variant=variant, **kw)
+            y, mn, mx = K.supernode(x.values, K.ohwi_to_hwio(w.values), b, variant=p.variant, **kw)
         return [QTensor(y, qinfo_of_range(mn, mx))]
 
 

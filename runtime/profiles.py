@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from maceq.errors import MaceqError
+from maceq.runtime.kernels.dsp import SupernodeVariant
 
 
 class Device(Enum):
@@ -43,6 +44,13 @@ class Requant(Enum):
     FLOAT32_RTE = "float32_rte"  # convert_uchar_sat_rte(f32(acc) * scale_c + zp), no FMA (gpu OpenCL kernels)
 
 
+class FloatStorage(Enum):
+    """How float tensors between float ops are stored."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"  # MACE's GPU fp16_fp32 mode: compute in float32, store half
+
+
 class InputQuantize(Enum):
     """How the input Quantize op maps float to uint8."""
 
@@ -70,12 +78,11 @@ class DeviceProfile:
     find_range_every_time: bool
     #: Whether uint8 kernels apply the `activation`/`max_limit` args (MACE's do not).
     honours_activation_args: bool
-    #: nnlib Supernode requantization (dsp only): "d32" = the _d32 ops a Hexagon device runs (31-bit
-    #: reciprocal and shift), "ref" = op_supernode.c's flat reference (16-bit reciprocal, ~7 bits).
-    supernode_variant: str | None = None
-    #: How float tensors between float ops are stored: "float32", or "float16" (MACE's GPU fp16_fp32 mode:
-    #: compute in float32, store half).
-    float_storage: str = "float32"
+    #: nnlib Supernode requantization (dsp only): D32 = the _d32 ops a Hexagon device runs (31-bit
+    #: reciprocal and shift), REF = op_supernode.c's flat reference (16-bit reciprocal, ~7 bits).
+    supernode_variant: SupernodeVariant | None = None
+    #: How float tensors between float ops are stored.
+    float_storage: FloatStorage = FloatStorage.FLOAT32
     #: uint8 DepthwiseConv2d takes TFLite's aarch64 3x3 fast path where ``Fast3x3FilterKernelSupported``
     #: holds, with its border outputs (runtime/kernels/dw3x3_arm.py). True where the op runs on MACE's
     #: ARM CPU runtime (the cpu device, and the dsp device's cpu fallback).
@@ -112,7 +119,7 @@ GPU = DeviceProfile(
     conv_rescales_bias=False,
     find_range_every_time=False,
     honours_activation_args=False,
-    float_storage="float16",
+    float_storage=FloatStorage.FLOAT16,
 )
 
 DSP = DeviceProfile(
@@ -129,7 +136,7 @@ DSP = DeviceProfile(
     conv_rescales_bias=True,
     find_range_every_time=True,
     honours_activation_args=False,
-    supernode_variant="d32",
+    supernode_variant=SupernodeVariant.D32,
     depthwise_3x3_fast_path=True,
 )
 

@@ -6,6 +6,7 @@ from maceq.errors import MaceqError
 from maceq.quant.config import config_from_dict, load_config
 from maceq.runtime import model as _model  # noqa: F401  (registers every kernel table)
 from maceq.runtime import ops
+from maceq.runtime.kernels.dsp import SupernodeVariant
 from maceq.runtime.profiles import CPU, Device, Requant, get_profile
 from maceq.runtime.registry import _REGISTRY, DType, kernel_table, lookup, register
 
@@ -40,7 +41,7 @@ def test_cpu_profile_rules_are_data():
     assert p is CPU and p.fc_requant is Requant.FLOAT32_ROUNDF and p.conv_requant is Requant.GEMMLOWP
     with pytest.raises(MaceqError, match="unknown device 'npu'"):
         get_profile("npu")
-    assert get_profile("gpu").conv_requant is Requant.FLOAT32_RTE and get_profile("dsp").supernode_variant == "d32"
+    assert get_profile("gpu").conv_requant is Requant.FLOAT32_RTE and get_profile("dsp").supernode_variant is SupernodeVariant.D32
 
 
 def test_config_overrides_most_specific_glob_wins(tmp_path):
