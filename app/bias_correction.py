@@ -44,25 +44,26 @@ from maceq.errors import MaceqError
 from maceq.quant.build import check_supported, select_nodes
 from maceq.quant.export import write_quantized
 from maceq.quant.ir import Graph
-from maceq.quant.scheme import SCHEMES
+from maceq.quant.scheme import scheme_for
 from maceq.runtime import load
+from maceq.runtime.profiles import Device
 from maceq.runtime.qtypes import QInfo
 
-__all__ = ["BiasCorrection", "correct_biases", "dequantized_weights", "tap_means", "with_biases"]
+__all__ = ["BiasCorrection", "correct_biases", "dequantized_weights", "tap_means"]
 
 
 @dataclass
 class BiasCorrection:
     """The corrected float biases of one device, keyed by IR node name, and the trail."""
 
-    device: str
+    device: Device
     biases: dict[str, np.ndarray] = field(default_factory=dict)
     shifts: list[float] = field(default_factory=list)  # mean |shift| per corrected layer, in order
     images: int = 0
     outputs: dict = field(default_factory=dict, repr=False)  # the corrected model's outputs on the images
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "layers": len(self.biases), "images": self.images,
+        return {"device": self.device.value, "layers": len(self.biases), "images": self.images,
                 "mean_abs_shift": float(np.mean(self.shifts)) if self.shifts else 0.0,
                 "max_layer_shift": float(np.max(self.shifts)) if self.shifts else 0.0}
 
@@ -110,14 +111,14 @@ def _layers(g: Graph, placement: dict[str, str]) -> list[_Layer]:
     return out
 
 
-def dequantized_weights(layer: _Layer, device: str, in_channels: int | None = None) -> np.ndarray:
+def dequantized_weights(layer: _Layer, device: Device, in_channels: int | None = None) -> np.ndarray:
     """``W_q``: the layer's weights quantized by ``device``'s scheme and dequantized, in IR layout."""
     return _quantized_weights(layer, device, in_channels)[1]
 
 
-def _quantized_weights(layer: _Layer, device: str, in_channels: int | None = None):
+def _quantized_weights(layer: _Layer, device: Device, in_channels: int | None = None):
     """(QuantizedWeights in the MACE layout, ``W_q`` dequantized in IR layout)."""
-    scheme = SCHEMES[device]
+    scheme = scheme_for(device)
     w = layer.w
     depthwise = layer.kind == "conv" and layer.group > 1 and w.shape[1] == 1 and layer.group == in_channels
     if layer.kind == "gemm":
@@ -233,7 +234,7 @@ def _layer_input(xq, crop) -> np.ndarray:
     return v.transpose(0, 3, 1, 2) if v.ndim == 4 else v  # NHWC -> NCHW
 
 
-def correct_biases(cal, *, device: str, data, fp32_nodes: frozenset[str] = frozenset(),
+def correct_biases(cal, *, device: "Device | str", data, fp32_nodes: frozenset[str] = frozenset(),
                    batch_size: int = 8, progress: bool = False) -> BiasCorrection:
     """Empirical bias correction of ``cal`` (a :class:`maceq.app.pipeline.Calibration`) for ``device``.
 
@@ -242,13 +243,14 @@ def correct_biases(cal, *, device: str, data, fp32_nodes: frozenset[str] = froze
     corrected float32 biases by IR node name; ``cal`` is not modified.
     """
 
+    device = Device.parse(device)
     fp32 = select_nodes(cal.graph, cal.config.fp32_layers) | set(fp32_nodes)
-    placement = check_supported(cal.graph, shapes=cal.shapes, fp32=fp32)
+    placement = check_supported(cal.graph, device=device, shapes=cal.shapes, fp32=fp32)
     layers = _layers(cal.graph, placement)
     result = BiasCorrection(device)
     if not layers:
         return result
-    scheme = SCHEMES[device]
+    scheme = scheme_for(device)
     ksz = {lay.node: (lay.w.shape[2], lay.w.shape[3]) if lay.kind == "conv" else (1, 1) for lay in layers}
     f_sums, f_counts, n_img = _float_sums(cal, layers, data.iter_batches(batch_size), ksz)
     if n_img == 0:
@@ -272,7 +274,7 @@ def correct_biases(cal, *, device: str, data, fp32_nodes: frozenset[str] = froze
     if missing:
         raise MaceqError(f"bias correction: layer '{missing[0]}' has no op with a bias in the quantized model")
     shifts = []
-    bar = tqdm(total=len(by_op), desc=f"bias correction ({device})", unit="layer", leave=False,
+    bar = tqdm(total=len(by_op), desc=f"bias correction ({device.value})", unit="layer", leave=False,
                disable=not progress or not sys.stderr.isatty())
 
     crops = {p.outputs[0]: tuple(p.arg("paddings")[2:6]) for p in model.ops if p.type == "Pad"}

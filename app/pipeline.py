@@ -47,15 +47,18 @@ def _equalize(opt: Graph, config: QuantConfig, *, data: ImageFolder, in_name: st
 
 def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, preprocess: Preprocess,
               config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None, progress: bool = True,
-              strict: bool = False) -> Calibration:
-    """Import, optimise and calibrate: activation ranges for every tensor that gets a scale."""
+              strict: bool = False, devices: "tuple[Device | str, ...]" = (Device.CPU,)) -> Calibration:
+    """Import, optimise and calibrate: activation ranges for every tensor that gets a scale.
+
+    Every node is checked against each of ``devices`` before the (long) calibration starts."""
     onnx_path = Path(onnx_path)
     opt, in_shapes, shapes = prepare_graph(onnx_path, input_shape=input_shape, preprocess=preprocess)
     fp32 = select_nodes(opt, config.fp32_layers)
     unmatched = [p for p in config.fp32_layers if not select_nodes(opt, [p])]
     if unmatched:
         raise MaceqError(f"fp32 layer pattern '{unmatched[0]}' matches no node of {onnx_path}")
-    check_supported(opt, strict=strict, shapes=shapes, fp32=fp32)  # fail before the (long) calibration
+    for device in devices:  # fail before the (long) calibration
+        check_supported(opt, device=Device.parse(device), strict=strict, shapes=shapes, fp32=fp32)
     if len(opt.inputs) != 1:
         raise MaceqError(f"{onnx_path}: {len(opt.inputs)} inputs; image calibration supports one-input models")
     in_name = opt.inputs[0].name
@@ -83,21 +86,20 @@ def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, pre
                        preprocess, config, calib_dir=Path(calib_dir), recovery=recovery)
 
 
-def correct_bias(cal: Calibration, devices: tuple[str, ...], *, progress: bool = True,
+def correct_bias(cal: Calibration, devices: "tuple[Device | str, ...]", *, progress: bool = True,
                  fp32_nodes: set[str] | frozenset = frozenset()) -> None:
     """Empirical bias correction (app/bias_correction.py) of ``cal`` for each device, in place:
     fills ``cal.device_biases`` and ``cal.device_recovery``. Needs ``cal.calib_dir``."""
     if cal.calib_dir is None:
         raise MaceqError("bias correction needs the calibration images (Calibration.calib_dir)")
     n = cal.config.bias_correction_images
-    for device in devices:
-        device = Device.parse(device).value
+    for device in (Device.parse(d) for d in devices):
         data = ImageFolder(cal.calib_dir, cal.preprocess, labels=None, limit=n)
         bc = correct_biases(cal, device=device, data=data, fp32_nodes=frozenset(fp32_nodes),
                             batch_size=cal.config.batch_size, progress=progress)
-        cal.device_biases[device] = bc.biases
+        cal.device_biases[device.value] = bc.biases
         d = bc.to_dict()
-        cal.device_recovery[device] = [{
+        cal.device_recovery[device.value] = [{
             "step": "bias correction",
             "detail": f"{d['layers']} layers corrected on {d['images']} calibration images (mean |shift| "
                       f"{d['mean_abs_shift']:.3g}, largest layer mean {d['max_layer_shift']:.3g})",
@@ -107,14 +109,15 @@ def correct_bias(cal: Calibration, devices: tuple[str, ...], *, progress: bool =
 def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, output_dir: str | os.PathLike,
              preprocess: Preprocess, config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None,
              model_name: str | None = None, progress: bool = True, extra_meta: dict | None = None,
-             strict: bool = False, devices: tuple[str, ...] = ("cpu",)) -> QuantizeResult:
+             strict: bool = False, devices: "tuple[Device | str, ...]" = (Device.CPU,)) -> QuantizeResult:
     """Quantize ``onnx_path`` for each device, calibrating once on the images in ``calib_dir``.
 
     One device writes into ``output_dir``; several write one model each into ``output_dir/<device>/``.
     ``result.files`` is the first device's; ``result.per_device`` has them all.
     """
+    devices = tuple(Device.parse(d) for d in devices)
     cal = calibrate(onnx_path, calib_dir, preprocess=preprocess, config=config, input_shape=input_shape,
-                    progress=progress, strict=strict)
+                    progress=progress, strict=strict, devices=devices)
     if config.bias_correction:
         correct_bias(cal, devices, progress=progress)
     return write_quantized(cal, output_dir=output_dir, model_name=model_name, extra_meta=extra_meta, strict=strict,

@@ -23,7 +23,9 @@ from maceq.errors import MaceqError
 from maceq.mace import mace_pb2
 from maceq.quant.float_emit import FLOAT_EMITTABLE, cancel_inverse_transposes, emit_float_node
 from maceq.quant.ir import ACT_ATTR, Graph, Node
-from maceq.quant.scheme import SCHEMES, AffineParams, adjust_range
+from maceq.quant.scheme import adjust_range, scheme_for
+from maceq.runtime.profiles import Device, get_profile
+from maceq.runtime.qtypes import QInfo
 from maceq.runtime.kernels.resize import onnx_resize_mapping
 
 DT_FLOAT, DT_UINT8, DT_INT32 = mace_pb2.DT_FLOAT, mace_pb2.DT_UINT8, mace_pb2.DT_INT32
@@ -80,21 +82,19 @@ VIEW_OPS = ("Flatten", "Reshape", "Squeeze")  # ops that only relabel a tensor: 
 
 
 class MaceBuilder:
-    """Builds one NetDef from an optimised IR graph for the cpu profile."""
+    """Builds one NetDef from an optimised IR graph for one device (its spec's scheme and placement)."""
 
     def __init__(self, graph: Graph, ranges: dict[str, tuple[float, float]], shapes: dict[str, tuple[int, ...]],
-                 *, model_name: str, device: str = "cpu"):
-        if device not in SCHEMES:
-            raise MaceqError(f"no quantization scheme for device '{device}' (available: {', '.join(SCHEMES)})")
-        self.scheme = SCHEMES[device]
-        self.device = device
+                 *, model_name: str, device: Device = Device.CPU):
+        self.device = Device.parse(device)
+        self.scheme = scheme_for(self.device)
         self.g = graph
         self.ranges = ranges
         self.shapes = shapes
         self.model_name = model_name
         self.net = mace_pb2.NetDef()
         self.arrays: dict[str, np.ndarray] = {}
-        self.qinfo: dict[str, AffineParams] = {}
+        self.qinfo: dict[str, QInfo] = {}
         self.rename: dict[str, str] = {}  # IR tensor -> MACE tensor (views, inputs)
         self.view_src: dict[str, str] = {}  # Flatten/Reshape output -> its input (folded into FC)
         self.op_sources: dict[str, str] = {}
@@ -180,21 +180,21 @@ class MaceBuilder:
             self.float_name[out] = out
 
     # -- helpers -----------------------------------------------------------
-    def _range_q(self, tensor: str) -> AffineParams:
+    def _range_q(self, tensor: str) -> QInfo:
         if tensor not in self.ranges:
             raise MaceqError(f"tensor '{tensor}' has no calibrated range")
         lo, hi = self.ranges[tensor]
         self.used_ranges[tensor] = (float(lo), float(hi))
         return self.scheme.activation(lo, hi)
 
-    def _qinfo_msg(self, op, p: AffineParams):
+    def _qinfo_msg(self, op, p: QInfo):
         qi = op.quantize_info.add()
         qi.scale, qi.zero_point, qi.minval, qi.maxval = p.scale, p.zero_point, p.minval, p.maxval
 
     def _f32(self, x: float) -> float:
         return float(np.float32(x))
 
-    def _add_const(self, name: str, arr: np.ndarray, dtype, p: AffineParams | None):
+    def _add_const(self, name: str, arr: np.ndarray, dtype, p: QInfo | None):
         t = self.net.tensors.add()
         t.dims.extend(int(d) for d in arr.shape)
         t.data_type = dtype
@@ -221,10 +221,10 @@ class MaceBuilder:
     def _src(self, tensor: str) -> str:
         return self.rename.get(tensor, tensor)
 
-    def _in_q(self, tensor: str) -> AffineParams:
+    def _in_q(self, tensor: str) -> QInfo:
         return self.qinfo[self._src(tensor)]
 
-    def _finish(self, op, node: Node, out_tensor: str, p: AffineParams):
+    def _finish(self, op, node: Node, out_tensor: str, p: QInfo):
         shape = self.shapes.get(out_tensor)
         if shape is None:
             raise MaceqError(f"node '{node.name}': unknown shape of output '{out_tensor}'")
@@ -242,7 +242,7 @@ class MaceBuilder:
             self._add_const(wname, qw.codes, DT_UINT8, qw.params)
         else:
             self._add_const(wname, qw.codes.astype(np.int8), mace_pb2.DT_INT8,
-                            AffineParams(float(qw.channel_scales.max()), 0, 0.0, 0.0))
+                            QInfo(float(qw.channel_scales.max()), 0, 0.0, 0.0))
         names = [wname]
         n_out = w_mace.shape[2] * w_mace.shape[3] if depthwise else w_mace.shape[0]
         if bias is None:
@@ -264,7 +264,7 @@ class MaceBuilder:
         group = int(node.attr("group", 1))
         return group > 1 and w.shape[1] == 1 and group == self.shapes[node.inputs[0]][1]
 
-    def _out_q(self, node: Node, out: str) -> AffineParams:
+    def _out_q(self, node: Node, out: str) -> QInfo:
         return self._range_q(out)
 
     def emit_conv(self, node: Node, out_name: str, op_name: str):
@@ -435,10 +435,10 @@ class MaceBuilder:
     VIEW_OPS = VIEW_OPS
 
     # -- whole graph ---------------------------------------------------------------
-    def build(self, *, input_formats: dict[str, str], strict: bool = False, fp32=frozenset()) -> BuiltModel:
+    def build(self, *, strict: bool = False, fp32=frozenset()) -> BuiltModel:
         g = self.g
-        self.view_src, self.placement = place_nodes(g, strict=strict, shapes=self.shapes, fp32=fp32,
-                                                    uint8_resize=self.scheme.uint8_resize)
+        self.view_src, self.placement = place_nodes(g, device=self.device, strict=strict, shapes=self.shapes,
+                                                    fp32=fp32)
         consumers = g.consumers()
         for vi in g.inputs:
             self.float_name[vi.name] = vi.name
@@ -577,19 +577,22 @@ def select_nodes(g: Graph, patterns) -> set[str]:
             if any(fnmatch.fnmatchcase(name, p) for p in patterns for name in node_names(n))}
 
 
-def place_nodes(g: Graph, *, strict: bool = False, shapes=None, fp32=frozenset(), uint8_resize: bool = True
+def place_nodes(g: Graph, *, device: Device, strict: bool = False, shapes=None, fp32=frozenset()
                 ) -> tuple[dict[str, str], dict[str, str]]:
-    """Decide where each node runs: ``uint8`` (a MACE uint8 kernel) or ``float32`` (float fallback).
+    """Decide where each node runs on ``device``: ``uint8`` (a MACE uint8 kernel) or ``float32``
+    (float fallback); the device's spec says which ops it has in uint8.
 
     Returns (views folded into FullyConnected: output -> input, placement by node name).
     A node with no uint8 kernel falls back to a float32 op with Dequantize/Quantize around it;
     with ``strict`` that is an error naming the node. A node neither path supports is an error.
     Nodes named in ``fp32`` (user exemptions, mixed precision) run in float32 whatever their kernel.
     """
+    spec = get_profile(device)
+    uint8_resize, where = spec.uint8_resize, spec.device.value
     consumers = g.consumers()
     views, placement = {}, {}
     for node in g.nodes:
-        if node.op_type in MaceBuilder.VIEW_OPS:
+        if node.op_type in VIEW_OPS:
             cons = consumers.get(node.outputs[0], [])
             if (cons and all(c.op_type in ("Gemm", "MatMul") and c.name not in fp32
                              and uint8_capable(g, c, shapes, uint8_resize=uint8_resize)
@@ -601,24 +604,25 @@ def place_nodes(g: Graph, *, strict: bool = False, shapes=None, fp32=frozenset()
             placement[node.name] = UINT8
             continue
         if node.op_type not in FLOAT_EMITTABLE:
-            raise MaceqError(f"node '{node.name}': unsupported op type '{node.op_type}' for the cpu device")
+            raise MaceqError(f"node '{node.name}': unsupported op type '{node.op_type}' for the {where} device")
         if node.name in fp32:
             placement[node.name] = FLOAT
             continue
         if strict:
-            raise MaceqError(f"node '{node.name}' ({node.op_type}): no uint8 kernel on the cpu device; "
+            raise MaceqError(f"node '{node.name}' ({node.op_type}): no uint8 kernel on the {where} device; "
                              "it would fall back to float32 (refused by --strict)")
         placement[node.name] = FLOAT
     return views, placement
 
 
-def check_supported(g: Graph, *, strict: bool = False, shapes=None, fp32=frozenset()) -> dict[str, str]:
-    """Raise MaceqError naming the first node the cpu writer cannot emit; return the placement."""
-    return place_nodes(g, strict=strict, shapes=shapes, fp32=fp32)[1]
+def check_supported(g: Graph, *, device: Device, strict: bool = False, shapes=None, fp32=frozenset()
+                    ) -> dict[str, str]:
+    """Raise MaceqError naming the first node the writer cannot emit for ``device``; return the placement."""
+    return place_nodes(g, device=device, strict=strict, shapes=shapes, fp32=fp32)[1]
 
 
 def build_mace_model(graph: Graph, ranges: dict[str, tuple[float, float]], shapes: dict[str, tuple[int, ...]],
-                     *, model_name: str, input_formats: dict[str, str] | None = None,
-                     strict: bool = False, fp32=frozenset(), device: str = "cpu") -> BuiltModel:
+                     *, model_name: str, strict: bool = False, fp32=frozenset(), device: Device = Device.CPU
+                     ) -> BuiltModel:
     return MaceBuilder(graph, ranges, dict(shapes), model_name=model_name, device=device).build(
-        input_formats=input_formats or {}, strict=strict, fp32=fp32)
+        strict=strict, fp32=fp32)

@@ -17,7 +17,7 @@ from maceq.quant.build import build_mace_model, check_supported, select_nodes
 from maceq.quant.config import QuantConfig
 from maceq.quant.ir import Graph
 from maceq.quant.safe_forms import find_defects, in_memory_model, make_safe
-from maceq.runtime.profiles import Device
+from maceq.runtime.profiles import Device, get_profile
 
 
 @dataclass
@@ -114,43 +114,70 @@ def check_degenerate(graph: Graph, ranges: dict, placement: dict) -> None:
 
 
 def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_name: str | None = None,
-                    extra_meta: dict | None = None, strict: bool = False, devices: tuple[str, ...] = ("cpu",),
+                    extra_meta: dict | None = None, strict: bool = False,
+                    devices: "tuple[Device | str, ...]" = (Device.CPU,),
                     fp32_nodes: set[str] | None = None) -> QuantizeResult:
     """Write one MACE model per device from a calibration (cheap: no image is run again).
 
     ``fp32_nodes``: node names kept in float32, in addition to the config's ``fp32_layers``.
+    One device writes into ``output_dir``; several write one model each into ``output_dir/<device>/``.
     """
-    devices = tuple(Device.parse(d).value for d in devices)
-    if not devices or len(set(devices)) != len(devices):
-        raise MaceqError(f"--device: give each device once, got {','.join(devices) or 'none'}")
-    onnx_path, opt, shapes, ranges, config = cal.onnx_path, cal.graph, cal.shapes, cal.ranges, cal.config
-    name = model_name or onnx_path.stem
+    devs = tuple(Device.parse(d) for d in devices)
+    if not devs or len(set(devs)) != len(devs):
+        raise MaceqError(f"--device: give each device once, got {','.join(d.value for d in devs) or 'none'}")
+    opt, config = cal.graph, cal.config
+    name = model_name or cal.onnx_path.stem
     fp32 = select_nodes(opt, config.fp32_layers) | set(fp32_nodes or ())
-    placement = check_supported(opt, strict=strict, shapes=shapes, fp32=fp32)
-    check_degenerate(opt, ranges, placement)
-    in_name = opt.inputs[0].name
-    want = cal.in_shapes[in_name]
-    n_images = cal.n_images
-    preprocess = cal.preprocess
-    meta = {
-        "source_model": str(onnx_path.resolve()),
-        "source_sha256": _sha256(onnx_path),
-        "preprocess": preprocess.to_dict(),
+    placements = {d: check_supported(opt, device=d, strict=strict, shapes=cal.shapes, fp32=fp32) for d in devs}
+    for placement in placements.values():
+        check_degenerate(opt, cal.ranges, placement)
+    source = _source_meta(cal)
+    subgraph = _subgraph(cal)
+    result = QuantizeResult(None, opt, placements[devs[0]], cal.n_images, cal.n_skipped, name, frozenset(fp32))
+    for device in devs:
+        built = build_mace_model(cal.graph_for(device.value, fp32), cal.ranges, cal.shapes, model_name=name,
+                                 strict=strict, fp32=fp32, device=device)
+        forms_meta = result.device_forms[device.value] = _device_forms(built, device, safe=config.safe_forms)
+        recovery = list(cal.recovery) + list(cal.device_recovery.get(device.value, []))
+        fallback = sorted(n for n, where in placements[device].items() if where != "uint8" and n not in fp32)
+        out_dir = _output_dir(output_dir, device, several=len(devs) > 1)
+        result.per_device[device.value] = write_model(
+            out_dir, name, built.multi_net_def, built.arrays,
+            deployment={"platform": "onnx", "runtime": get_profile(device).mace_runtime, "subgraphs": [subgraph]},
+            ranges=built.ranges,
+            maceq={**source, "float_fallback": fallback, "fp32_layers": sorted(fp32), **(extra_meta or {}),
+                   "device": device.value, "tensor_map": built.tensor_map, "recovery": recovery, **forms_meta})
+        result.recovery[device.value] = recovery
+    result.files = result.per_device[devs[0].value]
+    return result
+
+
+def _source_meta(cal: Calibration) -> dict:
+    """The .yml's record of the source model, the preprocessing and the calibration settings."""
+    config = cal.config
+    return {
+        "source_model": str(cal.onnx_path.resolve()),
+        "source_sha256": _sha256(cal.onnx_path),
+        "preprocess": cal.preprocess.to_dict(),
         "range_method": config.range_method.value,
         "percentile": config.percentile,
         "layer_overrides": {ov.pattern: {k: (v.value if hasattr(v, "value") else v)
                                          for k, v in (("range_method", ov.range_method),
                                                       ("percentile", ov.percentile)) if v is not None}
                             for ov in config.layers},
-        "calibration_images": n_images,
-        "input_shape": list(want),
-        "float_fallback": sorted(n for n, where in placement.items() if where != "uint8" and n not in fp32),
-        "fp32_layers": sorted(fp32),
+        "calibration_images": cal.n_images,
+        "input_shape": list(cal.in_shapes[cal.graph.inputs[0].name]),
     }
-    meta.update(extra_meta or {})
-    out_shape = {o: list(shapes[o]) for o in opt.outputs}
-    lo, hi = ranges[in_name]
-    subgraph = {
+
+
+def _subgraph(cal: Calibration) -> dict:
+    """The deployment file's subgraph: input/output tensors, shapes, data formats and the input range."""
+    opt = cal.graph
+    in_name = opt.inputs[0].name
+    want = cal.in_shapes[in_name]
+    out_shape = {o: list(cal.shapes[o]) for o in opt.outputs}
+    lo, hi = cal.ranges[in_name]
+    return {
         "input_tensors": [in_name], "input_shapes": [",".join(map(str, want))],
         "input_data_formats": ["NCHW" if len(want) == 4 else "NONE"],
         "input_ranges": [f"{lo!r},{hi!r}"],
@@ -158,30 +185,19 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
         "output_shapes": [",".join(map(str, out_shape[o])) for o in opt.outputs],
         "output_data_formats": ["NCHW" if len(out_shape[o]) == 4 else "NONE" for o in opt.outputs],
     }
-    per_device, device_forms = {}, {}
-    for device in devices:
-        g_dev = cal.graph_for(device, fp32)
-        built = build_mace_model(g_dev, ranges, shapes, model_name=name, strict=strict, fp32=fp32, device=device)
-        forms_meta = device_forms[device] = _device_forms(built, device, safe=config.safe_forms)
-        out_dir = Path(output_dir) if len(devices) == 1 else Path(output_dir) / device
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise MaceqError(f"{out_dir}: cannot create the output folder ({e.strerror})") from None
-        per_device[device] = write_model(
-            out_dir, name, built.multi_net_def, built.arrays,
-            deployment={"platform": "onnx", "runtime": MACE_RUNTIME[device], "subgraphs": [subgraph]},
-            ranges=built.ranges, maceq={**meta, "device": device, "tensor_map": built.tensor_map,
-                                        "recovery": list(cal.recovery) + list(cal.device_recovery.get(device, [])),
-                                        **forms_meta})
-    result = QuantizeResult(per_device[devices[0]], opt, placement, n_images, cal.n_skipped, name, frozenset(fp32))
-    result.per_device = per_device
-    result.device_forms = device_forms
-    result.recovery = {d: list(cal.recovery) + list(cal.device_recovery.get(d, [])) for d in devices}
-    return result
 
 
-def _device_forms(built, device: str, *, safe: bool) -> dict:
+def _output_dir(output_dir, device: Device, *, several: bool) -> Path:
+    """``output_dir`` (one device) or ``output_dir/<device>`` (several), created."""
+    out_dir = Path(output_dir) / device.value if several else Path(output_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MaceqError(f"{out_dir}: cannot create the output folder ({e.strerror})") from None
+    return out_dir
+
+
+def _device_forms(built, device: Device, *, safe: bool) -> dict:
     """Rewrite the ops ``device`` computes wrongly (``safe``), or list them; the .yml's record of either.
 
     A model whose probe run fails (a multiplier MACE aborts on) is written as it is: the device, and
@@ -199,6 +215,3 @@ def _device_forms(built, device: str, *, safe: bool) -> dict:
     return {"safe_forms": [{"op": f.op, "reason": f.reason, "pad_op": f.pad_op} for f in forms],
             "safe_form_cost": cost.describe()}
 
-
-#: The deployment yml's ``runtime`` key for each device (MACE's names).
-MACE_RUNTIME = {"cpu": "cpu", "gpu": "gpu", "dsp": "dsp"}

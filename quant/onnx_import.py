@@ -5,7 +5,6 @@ have no initializer at all). Attributes are decoded to plain Python values.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import onnx

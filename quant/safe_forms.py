@@ -28,7 +28,7 @@ from maceq.errors import MaceqError
 from maceq.mace import mace_pb2
 from maceq.mace.format import LoadedModel, add_arg, get_arg
 from maceq.runtime.model import Model
-from maceq.runtime.profiles import get_profile
+from maceq.runtime.profiles import Device, get_profile
 
 PAD_SUFFIX = "__maceq_pad"
 
@@ -75,7 +75,7 @@ def _find_range_inputs(net) -> set[str]:
             if op.type == "Quantize" and int(get_arg(op, "find_range_every_time", 0) or 0)}
 
 
-def find_defects(model: Model, device: str) -> dict[str, str]:
+def find_defects(model: Model, device: Device) -> dict[str, str]:
     """Op name -> reason, for ops whose result on ``device`` departs from the model's meaning.
 
     Ops fed by a per-image input range are judged as if their multiplier allowed the fast path
@@ -175,10 +175,10 @@ def apply_safe_forms(net, defects: dict[str, str], shape_of) -> list[SafeForm]:
     return done
 
 
-def in_memory_model(multi_net_def, arrays, device: str) -> Model:
+def in_memory_model(multi_net_def, arrays, device: Device) -> Model:
     """A runtime Model over a built (not yet written) MultiNetDef."""
     net = multi_net_def.net_def[0]
-    return Model(LoadedModel(net, dict(arrays), {"maceq": {"device": device}}, None, multi_net_def))
+    return Model(LoadedModel(net, dict(arrays), {"maceq": {"device": Device.parse(device).value}}, None, multi_net_def))
 
 
 def macs(ops, arrays) -> int:
@@ -205,7 +205,7 @@ def cost(before: list, after: list, arrays, forms: list[SafeForm]) -> SafeFormCo
     return SafeFormCost(len(before), len(after), macs(before, arrays), act, sum(f.added_bytes for f in forms))
 
 
-def make_safe(built, device: str, defects: dict[str, str] | None = None
+def make_safe(built, device: Device, defects: dict[str, str] | None = None
               ) -> tuple[list[SafeForm], SafeFormCost | None]:
     """Find (unless given) and rewrite the ops of a BuiltModel that ``device`` computes wrongly; checks the result.
 

@@ -1,4 +1,4 @@
-"""Quantization parameters for the ``cpu`` profile, as MACE's converter computes them.
+"""Quantization parameters of each device's scheme, as MACE's converter computes them.
 
 Source: XiaoMi/mace tools/python/quantize/quantize_util.py (adjust_range,
 quantize, quantize_with_scale_and_zero) and tools/python/transform/transformer.py
@@ -19,19 +19,11 @@ from maceq.quant.converter import (
     mace_quantize_bias,
     mace_quantize_tensor,
 )
+from maceq.runtime.profiles import Device, WeightScheme, get_profile
+from maceq.runtime.qtypes import QInfo
 
 
-@dataclass(frozen=True)
-class AffineParams:
-    """uint8 affine parameters: real = scale * (q - zero_point), q in [0, 255]."""
-
-    scale: float
-    zero_point: int
-    minval: float
-    maxval: float
-
-
-def adjust_range(in_min: float, in_max: float, *, non_zero: bool) -> AffineParams:
+def adjust_range(in_min: float, in_max: float, *, non_zero: bool) -> QInfo:
     """MACE's adjust_range (CPU/GPU): make 0 exactly representable.
 
     With ``non_zero`` (weights), the range is widened so that no weight quantizes
@@ -60,10 +52,10 @@ def adjust_range(in_min: float, in_max: float, *, non_zero: bool) -> AffineParam
         # A constant-zero tensor: MACE would divide by zero. Any positive scale
         # represents it exactly; use the smallest normal float32.
         scale = float(np.finfo(np.float32).tiny)
-    return AffineParams(scale, zero_int, -zero_int * scale, (255 - zero_int) * scale)
+    return QInfo(scale, zero_int, -zero_int * scale, (255 - zero_int) * scale)
 
 
-def quantize_weights(w: np.ndarray) -> tuple[np.ndarray, AffineParams]:
+def quantize_weights(w: np.ndarray) -> tuple[np.ndarray, QInfo]:
     """MACE's quantize(data, device=CPU, non_zero=True): per-tensor uint8 weights."""
     data = np.asarray(w, dtype=np.float64)
     p = adjust_range(data.min(), data.max(), non_zero=True)
@@ -92,29 +84,24 @@ class QuantizedWeights:
     """
 
     codes: np.ndarray
-    params: AffineParams | None = None
+    params: QInfo | None = None
     channel_scales: np.ndarray | None = None
 
 
 class CpuScheme:
     """MACE's CPU converter rules: uint8 asymmetric per-tensor weights in [1, 255], int32 bias at s_in*s_w."""
 
-    name = "cpu"
-    per_channel = False
-    #: whether a linear Resize can be a uint8 ResizeBilinear (MACE's CPU has that kernel)
-    uint8_resize = True
-
-    def activation(self, lo: float, hi: float) -> AffineParams:
+    def activation(self, lo: float, hi: float) -> QInfo:
         return adjust_range(lo, hi, non_zero=False)
 
     def weights(self, w: np.ndarray, *, out_axis_last_two: bool = False) -> QuantizedWeights:
         q, p = quantize_weights(w)
         return QuantizedWeights(q, params=p)
 
-    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, AffineParams]:
+    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, QInfo]:
         """int32 bias codes and the quantization stored with them."""
         s_b = float(np.float32(s_in)) * float(np.float32(qw.params.scale))
-        return quantize_bias(b, s_b), AffineParams(s_b, 0, 0.0, 0.0)
+        return quantize_bias(b, s_b), QInfo(s_b, 0, 0.0, 0.0)
 
 
 class GpuScheme(CpuScheme):
@@ -124,10 +111,6 @@ class GpuScheme(CpuScheme):
     in float32, round half to even); the bias of channel c is round(b[c] / (s_in * s_w[c])), with the
     product in float32, as the gpu kernels' host code forms it.
     """
-
-    name = "gpu"
-    per_channel = True
-    uint8_resize = False  # no integer resize kernel: it runs on the fp16_fp32 float path
 
     def weights(self, w: np.ndarray, *, out_axis_last_two: bool = False) -> QuantizedWeights:
         w = np.asarray(w, dtype=np.float32)
@@ -139,16 +122,13 @@ class GpuScheme(CpuScheme):
         q, scales = gpu_quantize_weights(w)
         return QuantizedWeights(q, channel_scales=scales)
 
-    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, AffineParams]:
+    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, QInfo]:
         s_c = (np.float32(s_in) * qw.channel_scales.astype(np.float32)).astype(np.float64)
         data = np.asarray(b, dtype=np.float64)
         # A channel with tiny weights has a tiny scale: its bias saturates to int32, as TFLite's
         # per-channel bias quantization clamps it.
         q = np.clip(np.round(data / s_c), -(2**31 - 1), 2**31 - 1)
-        return q.astype(np.int32), AffineParams(0.0, 0, 0.0, 0.0)
-
-
-SCHEMES = {"cpu": CpuScheme(), "gpu": GpuScheme()}
+        return q.astype(np.int32), QInfo(0.0, 0, 0.0, 0.0)
 
 
 class DspScheme(CpuScheme):
@@ -158,22 +138,26 @@ class DspScheme(CpuScheme):
     The min/max stored with each tensor are what nnlib's ops consume.
     """
 
-    name = "dsp"
-
-    def activation(self, lo: float, hi: float) -> AffineParams:
+    def activation(self, lo: float, hi: float) -> QInfo:
         mn, mx, scale, zp = mace_adjust_range_for_hexagon(lo, hi)
         if scale == 0.0:
             scale = float(np.finfo(np.float32).tiny)
-        return AffineParams(scale, zp, mn, mx)
+        return QInfo(scale, zp, mn, mx)
 
     def weights(self, w: np.ndarray, *, out_axis_last_two: bool = False) -> QuantizedWeights:
         q, mn, mx = mace_quantize_tensor(w)
         p = self.activation(mn, mx)
-        return QuantizedWeights(q, params=AffineParams(p.scale, p.zero_point, mn, mx))
+        return QuantizedWeights(q, params=QInfo(p.scale, p.zero_point, mn, mx))
 
-    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, AffineParams]:
+    def bias(self, b: np.ndarray, s_in: float, qw: QuantizedWeights) -> tuple[np.ndarray, QInfo]:
         q, mn, mx = mace_quantize_bias(b)
-        return q, AffineParams((mx - mn) / 2**32, 0, mn, mx)
+        return q, QInfo((mx - mn) / 2**32, 0, mn, mx)
 
 
-SCHEMES["dsp"] = DspScheme()
+SCHEMES = {WeightScheme.MACE_CPU: CpuScheme(), WeightScheme.INT8_PER_CHANNEL: GpuScheme(),
+           WeightScheme.MACE_HEXAGON: DspScheme()}
+
+
+def scheme_for(device: "Device | str") -> CpuScheme:
+    """The quantization scheme the device's spec names."""
+    return SCHEMES[get_profile(device).scheme]

@@ -1,8 +1,14 @@
-"""Device profiles: the arithmetic rules of each simulated device, as data.
+"""Devices: one frozen :class:`DeviceSpec` per :class:`Device` holds everything about a device.
 
-Kernels read their rounding and requantization rules from the profile they
-are prepared for; nothing in a kernel tests which device it runs on. The full
-written spec of each profile is docs/semantics.md.
+- the runtime's arithmetic rules (rounding, requantization, range handling), which kernels read from
+  the spec they are prepared for: nothing in a kernel tests which device it runs on;
+- the converter's quantization scheme (:class:`WeightScheme`, implemented in quant/scheme.py);
+- which ops the writer places in uint8 (``uint8_resize``) and where ops the device's own kernels lack
+  run (``fallback``);
+- the name of MACE's runtime in the deployment file.
+
+Adding a device means adding a DeviceSpec and the kernel overrides it needs. The written spec of
+each device's arithmetic is docs/semantics.md.
 """
 from __future__ import annotations
 
@@ -51,6 +57,17 @@ class FloatStorage(Enum):
     FLOAT16 = "float16"  # MACE's GPU fp16_fp32 mode: compute in float32, store half
 
 
+class WeightScheme(Enum):
+    """The converter's rules for weights, biases and activation ranges (quant/scheme.py)."""
+
+    #: MACE's CPU converter: uint8 asymmetric per-tensor weights in [1, 255], int32 bias at s_in*s_w
+    MACE_CPU = "mace_cpu"
+    #: int8 symmetric per-output-channel weights, int32 bias per channel (the OpenCL int8 kernels)
+    INT8_PER_CHANNEL = "int8_per_channel"
+    #: MACE's HEXAGON converter: adjust_range_for_hexagon, bias symmetric over 2^32 levels
+    MACE_HEXAGON = "mace_hexagon"
+
+
 class InputQuantize(Enum):
     """How the input Quantize op maps float to uint8."""
 
@@ -59,9 +76,13 @@ class InputQuantize(Enum):
 
 
 @dataclass(frozen=True)
-class DeviceProfile:
+class DeviceSpec:
     device: Device
     description: str
+    #: the converter's quantization scheme for this device
+    scheme: WeightScheme
+    #: the deployment file's ``runtime`` key (MACE's name for the runtime)
+    mace_runtime: str
     multiplier_rule: MultiplierRule
     conv_requant: Requant
     depthwise_requant: Requant
@@ -87,10 +108,16 @@ class DeviceProfile:
     #: holds, with its border outputs (runtime/kernels/dw3x3_arm.py). True where the op runs on MACE's
     #: ARM CPU runtime (the cpu device, and the dsp device's cpu fallback).
     depthwise_3x3_fast_path: bool = False
+    #: a linear Resize can be written as a uint8 ResizeBilinear (the device has that integer kernel)
+    uint8_resize: bool = True
+    #: where ops run that the device's own kernels lack or reject (None: every op has a kernel here)
+    fallback: Device | None = None
 
 
-CPU = DeviceProfile(
+CPU = DeviceSpec(
     device=Device.CPU,
+    scheme=WeightScheme.MACE_CPU,
+    mace_runtime="cpu",
     description="MACE ARM CPU uint8 kernels (gemmlowp for Conv2D/DepthwiseConv2d, float gemv for FullyConnected)",
     multiplier_rule=MultiplierRule.FLOAT32,
     conv_requant=Requant.GEMMLOWP,
@@ -105,8 +132,10 @@ CPU = DeviceProfile(
     depthwise_3x3_fast_path=True,
 )
 
-GPU = DeviceProfile(
+GPU = DeviceSpec(
     device=Device.GPU,
+    scheme=WeightScheme.INT8_PER_CHANNEL,
+    mace_runtime="gpu",
     description="OpenCL int8 kernels (MNN-style): int8 symmetric per-channel weights, float32 RTE requantization, "
                 "fp16_fp32 float path for ops without an integer kernel",
     multiplier_rule=MultiplierRule.FLOAT32,
@@ -120,10 +149,13 @@ GPU = DeviceProfile(
     find_range_every_time=False,
     honours_activation_args=False,
     float_storage=FloatStorage.FLOAT16,
+    uint8_resize=False,  # no integer resize kernel: it runs on the fp16_fp32 float path
 )
 
-DSP = DeviceProfile(
+DSP = DeviceSpec(
     device=Device.DSP,
+    scheme=WeightScheme.MACE_HEXAGON,
+    mace_runtime="dsp",
     description="Hexagon DSP through nnlib's reference ops (Supernode, DepthwiseSupernode, SuperFC, QuantizedAdd, "
                 "QuantizedConcat, QuantizedMax/AvgPool); ops nnlib lacks or rejects run the cpu profile's kernels",
     multiplier_rule=MultiplierRule.FLOAT32,       # used only by ops that fall back to the cpu kernels
@@ -138,13 +170,16 @@ DSP = DeviceProfile(
     honours_activation_args=False,
     supernode_variant=SupernodeVariant.D32,
     depthwise_3x3_fast_path=True,
+    fallback=Device.CPU,
 )
 
-PROFILES: dict[Device, DeviceProfile] = {Device.CPU: CPU, Device.GPU: GPU, Device.DSP: DSP}
+SPECS: dict[Device, DeviceSpec] = {Device.CPU: CPU, Device.GPU: GPU, Device.DSP: DSP}
+PROFILES = SPECS
+DeviceProfile = DeviceSpec
 
 
-def get_profile(device: "str | Device") -> DeviceProfile:
+def get_profile(device: "str | Device") -> DeviceSpec:
     d = Device.parse(device)
-    if d not in PROFILES:
-        raise MaceqError(f"device '{d.value}' has no profile yet (available: {', '.join(p.value for p in PROFILES)})")
-    return PROFILES[d]
+    if d not in SPECS:
+        raise MaceqError(f"device '{d.value}' has no spec yet (available: {', '.join(p.value for p in SPECS)})")
+    return SPECS[d]

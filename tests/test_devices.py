@@ -156,6 +156,8 @@ def test_gpu_float_path_stores_half_and_matches_opencl(tmp_path, monkeypatch):
     # the cpu has MACE's uint8 ResizeBilinear; the gpu has no integer resize: float path
     assert any(op.type == "ResizeBilinear" and op.arg("T") == 2 for op in cpu_model.ops)
     assert any(op.type == "ResizeBilinear" and op.arg("T") == 1 for op in gpu_model.ops)
+    # the writer places each device's nodes by its own spec: the .yml lists the Resize as float on gpu only
+    assert "up" in gpu_model.maceq_meta["float_fallback"] and "up" not in cpu_model.maceq_meta["float_fallback"]
     x = next(ImageFolder(imgs, pre, labels=None).iter_batches(1)).data
     sim = gpu_model.run({"x": x}, device="gpu", intermediates=True)
     hs = next(op for op in gpu_model.ops if op.type == "Activation" and op.arg("activation") == "HARDSIGMOID")

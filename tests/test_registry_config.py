@@ -1,4 +1,5 @@
 """Kernel registry, device profiles and the YAML config loader."""
+import numpy as np
 import pytest
 
 from maceq.calibrate.methods import RangeMethod
@@ -7,7 +8,8 @@ from maceq.quant.config import config_from_dict, load_config
 from maceq.runtime import model as _model  # noqa: F401  (registers every kernel table)
 from maceq.runtime import ops
 from maceq.runtime.kernels.dsp import SupernodeVariant
-from maceq.runtime.profiles import CPU, Device, Requant, get_profile
+from maceq.quant.scheme import scheme_for
+from maceq.runtime.profiles import CPU, SPECS, Device, Requant, get_profile
 from maceq.runtime.registry import _REGISTRY, DType, kernel_table, lookup, register
 
 
@@ -75,3 +77,17 @@ def test_config_file_errors(tmp_path):
     bad.write_text("a: [1,\n")
     with pytest.raises(MaceqError, match="bad.yml: not valid YAML"):
         load_config(bad)
+
+
+def test_every_device_has_one_spec_with_its_scheme_runtime_name_and_fallback():
+    assert set(SPECS) == set(Device) and all(SPECS[d].device is d for d in Device)
+    assert {d.value: SPECS[d].mace_runtime for d in Device} == {"cpu": "cpu", "gpu": "gpu", "dsp": "dsp"}
+    assert [type(scheme_for(d)).__name__ for d in Device] == ["CpuScheme", "GpuScheme", "DspScheme"]
+    assert SPECS[Device.DSP].fallback is Device.CPU and SPECS[Device.CPU].fallback is None
+    assert SPECS[Device.CPU].uint8_resize and not SPECS[Device.GPU].uint8_resize
+    # the gpu scheme: symmetric int8 per channel; cpu: uint8 per tensor in [1, 255]
+    w = np.array([[[[0.5, -1.0]]], [[[0.25, 0.0]]]], np.float32)
+    g = scheme_for("gpu").weights(w)
+    assert g.codes.dtype == np.int8 and g.codes[:, 0, 0, 0].tolist() == [64, 127] and g.channel_scales.shape == (2,)
+    c = scheme_for(Device.CPU).weights(w)
+    assert c.codes.dtype == np.uint8 and c.codes.min() >= 1 and c.params.zero_point > 0
