@@ -219,11 +219,6 @@ def _float_sums(cal, layers: list[_Layer], batches, kernel_sizes) -> tuple[dict,
     return sums, counts, n_img
 
 
-def _input_nhwc(model, x: np.ndarray) -> np.ndarray:
-    name = model.input_names[0]
-    return np.ascontiguousarray(x.transpose(0, 2, 3, 1)) if x.ndim == 4 and model.input_formats[name] == "NCHW" else x
-
-
 def _layer_input(xq, crop) -> np.ndarray:
     """The float value of a layer's quantized input in the IR's layout (NCHW); ``crop`` (top, bottom,
     left, right) undoes a safe form's explicit Pad, so that the layer is measured on its own input."""
