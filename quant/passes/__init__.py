@@ -4,23 +4,26 @@ from __future__ import annotations
 from maceq.quant.ir import Graph
 from maceq.quant.passes.activation import fuse_activations
 from maceq.quant.passes.arith import arith_to_conv, batchnorm_to_conv
+from maceq.quant.passes.autopad import explicit_pads
 from maceq.quant.passes.batchnorm import fold_batchnorm
 from maceq.quant.passes.constants import fold_constants
 from maceq.quant.passes.identity import remove_identities
 from maceq.quant.passes.pad import fold_pad
 
-__all__ = ["optimize", "fold_constants", "remove_identities", "fold_batchnorm", "fold_pad", "fuse_activations",
+__all__ = ["optimize", "explicit_pads", "fold_constants", "remove_identities", "fold_batchnorm", "fold_pad", "fuse_activations",
            "arith_to_conv", "batchnorm_to_conv"]
 
 
 def optimize(graph: Graph, input_shapes: dict[str, list[int]]) -> Graph:
-    """Return an optimised copy: constants folded, Identity/Dropout removed,
-    BatchNormalization folded into Conv/Gemm, Pad folded into Conv, per-channel
+    """Return an optimised copy: constants folded, Identity/Dropout removed, ``auto_pad`` made
+    explicit ``pads``, BatchNormalization folded into Conv/Gemm, Pad folded into Conv, per-channel
     constant arithmetic and lone BatchNormalization turned into depthwise Conv,
     Relu/Clip fused."""
     g = graph.copy()
     remove_identities(g)
     fold_constants(g, input_shapes)
+    if any(str(n.attr("auto_pad", "NOTSET") or "NOTSET") != "NOTSET" for n in g.nodes):
+        explicit_pads(g, g.infer_shapes(input_shapes))
     fold_batchnorm(g)
     fold_pad(g)
     shapes = g.infer_shapes(input_shapes)
