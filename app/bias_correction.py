@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from maceq.calibrate.runner import make_session
+from maceq.calibrate.runner import expose_outputs, make_session
 from maceq.errors import MaceqError
 from maceq.quant.build import check_supported, select_nodes
 from maceq.quant.export import write_quantized
@@ -192,17 +192,10 @@ def _mean_output(w: np.ndarray, m: np.ndarray, layer: _Layer) -> np.ndarray:
 
 
 def _float_sums(cal, layers: list[_Layer], batches, kernel_sizes) -> tuple[dict, dict, int]:
-
-    m = cal.graph.to_onnx()
-    have = {o.name for o in m.graph.output}
-    import onnx
-
+    """Per layer: the sum of the float model's tap means of its input over ``batches``, and the count."""
     want = list(dict.fromkeys(lay.x for lay in layers))
-    for t in want:
-        if t not in have and t != cal.graph.inputs[0].name:
-            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
-    sess = make_session(m, optimize=False)
     names = [t for t in want if t != cal.graph.inputs[0].name]
+    sess = make_session(expose_outputs(cal.graph.to_onnx(), names), optimize=False)
     sums = {lay.node: 0.0 for lay in layers}
     counts = {lay.node: 0 for lay in layers}
     n_img = 0

@@ -22,7 +22,7 @@ from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
 from maceq.errors import MaceqError
 from maceq.yamlio import one_line
 
-__all__ = ["collect", "expose_outputs", "load_onnx", "make_session"]
+__all__ = ["collect", "expose_outputs", "fixed_batch", "load_onnx", "make_session", "run_batched"]
 
 
 def make_session(
@@ -70,6 +70,46 @@ def load_onnx(path: "str | os.PathLike") -> onnx.ModelProto:
     if not model.graph.node:
         raise MaceqError(f"{path}: the ONNX graph has no nodes")
     return model
+
+
+def fixed_batch(sess: ort.InferenceSession, input_name: str | None = None) -> int | None:
+    """The batch size the model's input fixes (its first dimension is a number), or None when it is free."""
+    inputs = sess.get_inputs()
+    inp = next((i for i in inputs if i.name == input_name), inputs[0]) if inputs else None
+    dims = inp.shape if inp is not None else None
+    return int(dims[0]) if dims and isinstance(dims[0], int) and dims[0] > 0 else None
+
+
+def run_batched(sess: ort.InferenceSession, fetch: Sequence[str] | None, feed: Mapping[str, np.ndarray], *,
+                rows: int | None, what: str = "the float model") -> list[np.ndarray]:
+    """``sess.run(fetch, feed)`` for a feed of any batch size, also when the model fixes its batch at ``rows``.
+
+    The feed is cut into chunks of ``rows`` samples; the last is filled up by repeating its final sample,
+    and the outputs are joined with the filler dropped. An output whose first dimension is not ``rows``
+    has no batch dimension: the first chunk's value is returned. An onnxruntime error is a MaceqError
+    with onnxruntime's whole message on one line.
+    """
+    n = _batch_len(feed)
+    if rows is None or n == rows:
+        return _run(sess, fetch, feed, what)
+    parts = []
+    for start in range(0, n, rows):
+        chunk = {k: _fill(v[start:start + rows], rows) for k, v in feed.items()}
+        parts.append((_run(sess, fetch, chunk, what), min(rows, n - start)))
+    return [np.concatenate([outs[i][:k] for outs, k in parts]) if parts[0][0][i].shape[:1] == (rows,)
+            else parts[0][0][i] for i in range(len(parts[0][0]))]
+
+
+def _fill(a: np.ndarray, rows: int) -> np.ndarray:
+    """``a`` with its last sample repeated up to ``rows`` samples."""
+    return a if a.shape[0] == rows else np.concatenate([a, np.repeat(a[-1:], rows - a.shape[0], axis=0)])
+
+
+def _run(sess: ort.InferenceSession, fetch, feed, what: str) -> list[np.ndarray]:
+    try:
+        return sess.run(fetch, dict(feed))
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+        raise MaceqError(f"onnxruntime failed on {what}: {one_line(str(e).strip())}") from None
 
 
 def expose_outputs(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.ModelProto:
@@ -179,6 +219,7 @@ def collect(
     elif input_name not in graph_inputs:
         raise MaceqError(f"model has no input '{input_name}' (inputs: {', '.join(graph_inputs)})")
     sess = make_session(expose_outputs(model, names).SerializeToString(), intra_op_threads=intra_op_threads)
+    rows = fixed_batch(sess, input_name)
     fetch = [n for n in names if n not in graph_inputs]
     from_feed = [n for n in names if n in graph_inputs]
 
@@ -190,10 +231,7 @@ def collect(
         for item in batches:
             feed = _feed(item, input_name)
             n_samples = _batch_len(feed)
-            try:
-                outs = sess.run(fetch, feed) if fetch else []
-            except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
-                raise MaceqError(f"onnxruntime failed on calibration batch {seen}: {str(e).splitlines()[0]}") from None
+            outs = run_batched(sess, fetch, feed, rows=rows, what=f"calibration batch {seen}") if fetch else []
             for name in from_feed:
                 if name not in feed:
                     raise MaceqError(f"calibration batch {seen} does not feed input '{name}'")

@@ -1,0 +1,47 @@
+"""Models that fix their batch size: calibration and evaluation feed batches that fit, whatever
+``--batch-size`` says, and give what a run image by image gives."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from maceq.calibrate.runner import collect, fixed_batch, make_session, run_batched
+from maceq.errors import MaceqError
+
+
+def _fixed_batch_model(batch: int):
+    """Relu, then a Reshape to [batch, -1]: it only runs on batches of exactly ``batch``."""
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="relu"), helper.make_node("Reshape", ["r", "s"], ["y"], name="flat")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 6])],
+        [numpy_helper.from_array(np.array([batch, -1], np.int64), "s")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("batch,n", [(1, 5), (2, 5), (3, 3), (4, 2)])
+def test_run_batched_equals_one_sample_at_a_time(batch, n):
+    sess = make_session(_fixed_batch_model(batch))
+    assert fixed_batch(sess) == batch
+    x = np.random.default_rng(batch).normal(size=(n, 2, 3)).astype(np.float32)
+    y, = run_batched(sess, ["y"], {"x": x}, rows=batch)
+    np.testing.assert_array_equal(y, np.maximum(x, 0).reshape(n, 6))
+
+
+def test_calibration_of_a_fixed_batch_model_sees_every_image_once():
+    model = _fixed_batch_model(2)
+    x = np.random.default_rng(7).normal(size=(7, 2, 3)).astype(np.float32)
+    stats = collect(model, ["r", "y"], [x[:5], x[5:]], progress=False)  # batches of 5 and 2 for a batch-2 model
+    r = np.maximum(x, 0)
+    assert stats["r"].min == float(r.min()) and stats["r"].max == float(r.max())
+    assert stats["y"].count == r.size  # the filler sample of the last chunk is not counted
+
+
+def test_onnxruntime_errors_come_whole_on_one_line():
+    sess = make_session(_fixed_batch_model(1))
+    with pytest.raises(MaceqError) as e:
+        run_batched(sess, ["y"], {"x": np.zeros((3, 1, 3), np.float32)}, rows=1, what="calibration batch 0")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("onnxruntime failed on calibration batch 0: ")
+    assert "index: 1 Got: 1 Expected: 2" in msg and msg.rstrip().endswith("Please fix either the inputs/outputs or the model.")
