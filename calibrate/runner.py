@@ -22,7 +22,7 @@ from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
 from maceq.errors import MaceqError
 from maceq.yamlio import one_line
 
-__all__ = ["collect", "expose_outputs", "fixed_batch", "load_onnx", "make_session", "run_batched"]
+__all__ = ["BatchedSession", "collect", "expose_outputs", "fixed_batch", "load_onnx", "make_session"]
 
 
 def make_session(
@@ -80,24 +80,55 @@ def fixed_batch(sess: ort.InferenceSession, input_name: str | None = None) -> in
     return int(dims[0]) if dims and isinstance(dims[0], int) and dims[0] > 0 else None
 
 
-def run_batched(sess: ort.InferenceSession, fetch: Sequence[str] | None, feed: Mapping[str, np.ndarray], *,
-                rows: int | None, what: str = "the float model") -> list[np.ndarray]:
-    """``sess.run(fetch, feed)`` for a feed of any batch size, also when the model fixes its batch at ``rows``.
+class BatchedSession:
+    """An onnxruntime session that takes feeds of any batch size.
 
-    The feed is cut into chunks of ``rows`` samples; the last is filled up by repeating its final sample,
-    and the outputs are joined with the filler dropped. An output whose first dimension is not ``rows``
-    has no batch dimension: the first chunk's value is returned. An onnxruntime error is a MaceqError
-    with onnxruntime's whole message on one line.
+    A model whose input fixes its batch (``rows``), or whose graph does while its input does not (a
+    Reshape to ``[1, -1]`` after an export with a free batch: found when a larger batch fails and one
+    sample runs), gets its feed in chunks of ``rows`` samples; the last chunk is filled up by repeating
+    its final sample, and the outputs are joined with the filler dropped. An output whose first
+    dimension is not ``rows`` has no batch dimension: the first chunk's value is returned.
+    An onnxruntime error is a MaceqError with onnxruntime's whole message on one line.
     """
-    n = _batch_len(feed)
-    if rows is None or n == rows:
-        return _run(sess, fetch, feed, what)
-    parts = []
-    for start in range(0, n, rows):
-        chunk = {k: _fill(v[start:start + rows], rows) for k, v in feed.items()}
-        parts.append((_run(sess, fetch, chunk, what), min(rows, n - start)))
-    return [np.concatenate([outs[i][:k] for outs, k in parts]) if parts[0][0][i].shape[:1] == (rows,)
-            else parts[0][0][i] for i in range(len(parts[0][0]))]
+
+    def __init__(self, sess: ort.InferenceSession, input_name: str | None = None):
+        self.sess = sess
+        self.rows = fixed_batch(sess, input_name)
+
+    def run(self, fetch: Sequence[str] | None, feed: Mapping[str, np.ndarray], *,
+            what: str = "the float model") -> list[np.ndarray]:
+        n = _batch_len(feed)
+        if self.rows is None and n > 1:
+            outs = self._whole(fetch, feed, n, what)
+            if outs is not None:
+                return outs
+            self.rows = 1
+        if self.rows is None or n == self.rows:
+            return _run(self.sess, fetch, feed, what)
+        parts = []
+        for start in range(0, n, self.rows):
+            chunk = {k: _fill(v[start:start + self.rows], self.rows) for k, v in feed.items()}
+            parts.append((_run(self.sess, fetch, chunk, what), min(self.rows, n - start)))
+        first = parts[0][0]
+        return [np.concatenate([outs[i][:k] for outs, k in parts]) if first[i].shape[:1] == (self.rows,)
+                else first[i] for i in range(len(first))]
+
+    def _whole(self, fetch, feed, n: int, what: str) -> list[np.ndarray] | None:
+        """The whole feed in one run, or None when the graph turns out to fix the batch at one sample:
+        the run fails and one sample runs, or an output's first dimension is not ``n`` and differs from
+        that output's shape on one sample (a Reshape that merged the batch)."""
+        one = {k: v[:1] for k, v in feed.items()}
+        try:
+            outs = _run(self.sess, fetch, feed, what)
+        except MaceqError:
+            _run(self.sess, fetch, one, what)  # raises when one sample fails too
+            return None
+        odd = [i for i, o in enumerate(outs) if o.ndim and o.shape[0] != n]
+        if odd:
+            single = _run(self.sess, fetch, one, what)
+            if any(single[i].shape != outs[i].shape for i in odd):
+                return None
+        return outs
 
 
 def _fill(a: np.ndarray, rows: int) -> np.ndarray:
@@ -219,7 +250,7 @@ def collect(
     elif input_name not in graph_inputs:
         raise MaceqError(f"model has no input '{input_name}' (inputs: {', '.join(graph_inputs)})")
     sess = make_session(expose_outputs(model, names).SerializeToString(), intra_op_threads=intra_op_threads)
-    rows = fixed_batch(sess, input_name)
+    runner = BatchedSession(sess, input_name)
     fetch = [n for n in names if n not in graph_inputs]
     from_feed = [n for n in names if n in graph_inputs]
 
@@ -231,7 +262,7 @@ def collect(
         for item in batches:
             feed = _feed(item, input_name)
             n_samples = _batch_len(feed)
-            outs = run_batched(sess, fetch, feed, rows=rows, what=f"calibration batch {seen}") if fetch else []
+            outs = runner.run(fetch, feed, what=f"calibration batch {seen}") if fetch else []
             for name in from_feed:
                 if name not in feed:
                     raise MaceqError(f"calibration batch {seen} does not feed input '{name}'")

@@ -6,19 +6,18 @@ import os
 
 from maceq.calibrate.runner import load_onnx
 from maceq.datasets.preprocess import Preprocess
-from maceq.quant.build import VIEW_OPS
 from maceq.quant.ir import Graph
 from maceq.quant.onnx_import import fix_input_shapes, import_onnx
 from maceq.quant.passes import optimize
 
 
 def tensors_to_calibrate(graph: Graph) -> list[str]:
-    """Every tensor that gets a scale: the inputs and each non-view node's output."""
-    names = [vi.name for vi in graph.inputs]
-    for n in graph.nodes:
-        if n.op_type not in VIEW_OPS:
-            names.extend(n.outputs)
-    return names
+    """Every tensor that may get a scale: the inputs and every node's output.
+
+    The outputs of views (Reshape, Flatten, Squeeze) are calibrated too: they hold their input's
+    values, so their ranges are their inputs' (what MACE's converter carries through), and a uint8
+    op that reads one (a detection head's Concat of reshaped outputs) finds its range."""
+    return [vi.name for vi in graph.inputs] + [o for n in graph.nodes for o in n.outputs if o]
 
 
 def _is_dynamic(dims) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from maceq.calibrate.runner import fixed_batch, make_session, run_batched
+from maceq.calibrate.runner import BatchedSession, make_session
 from maceq.datasets.images import ImageFolder
 from maceq.errors import MaceqError
 from maceq.runtime.model import Model
@@ -101,7 +101,7 @@ def evaluate_segmentation(model: Model, float_model: str | os.PathLike, data: Im
     sess = make_session(float_model)
     in_name, out_name = model.input_names[0], model.output_names[0]
     f_in = sess.get_inputs()[0].name
-    rows = fixed_batch(sess, f_in)
+    runner = BatchedSession(sess, f_in)
     names = [o.name for o in sess.get_outputs()]
     f_out = names.index(out_name) if out_name in names else 0
     sig = noise = 0.0
@@ -110,7 +110,7 @@ def evaluate_segmentation(model: Model, float_model: str | os.PathLike, data: Im
     bar = tqdm(total=len(data), desc=f"eval {device}", unit="img", disable=not progress or not sys.stderr.isatty(),
                leave=False)
     for batch in data.iter_batches(1):
-        f = run_batched(sess, None, {f_in: batch.data}, rows=rows)[f_out].astype(np.float64)
+        f = runner.run(None, {f_in: batch.data})[f_out].astype(np.float64)
         q = model.run({in_name: batch.data}, device=device)[out_name].astype(np.float64)
         if f.shape != q.shape:
             raise MaceqError(f"{batch.paths[0]}: float output shape {f.shape} != int8 output shape {q.shape}")
@@ -135,14 +135,14 @@ def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *,
     in_name = model.input_names[0]
     out_name = model.output_names[0]
     f_in = sess.get_inputs()[0].name
-    rows = fixed_batch(sess, f_in)
+    runner = BatchedSession(sess, f_in)
     f_out = [o.name for o in sess.get_outputs()].index(out_name) if out_name in [o.name for o in sess.get_outputs()] else 0
     n = agree = top5 = f_correct = q_correct = 0
     have_labels = data.labels is not None
     bar = tqdm(total=len(data), desc=f"eval {device}", unit="img", disable=not progress or not sys.stderr.isatty(),
                 leave=False)
     for batch in data.iter_batches(batch_size):
-        f_logits = run_batched(sess, None, {f_in: batch.data}, rows=rows)[f_out].reshape(len(batch.data), -1)
+        f_logits = runner.run(None, {f_in: batch.data})[f_out].reshape(len(batch.data), -1)
         for k in range(len(batch.data)):
             q_logits = model.run({in_name: batch.data[k:k + 1]}, device=device)[out_name].reshape(-1)
             f_top = int(np.argmax(f_logits[k]))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from maceq.calibrate.runner import collect, fixed_batch, make_session, run_batched
+from maceq.calibrate.runner import BatchedSession, collect, fixed_batch, make_session
 from maceq.errors import MaceqError
 
 
@@ -25,7 +25,7 @@ def test_run_batched_equals_one_sample_at_a_time(batch, n):
     sess = make_session(_fixed_batch_model(batch))
     assert fixed_batch(sess) == batch
     x = np.random.default_rng(batch).normal(size=(n, 2, 3)).astype(np.float32)
-    y, = run_batched(sess, ["y"], {"x": x}, rows=batch)
+    y, = BatchedSession(sess).run(["y"], {"x": x})
     np.testing.assert_array_equal(y, np.maximum(x, 0).reshape(n, 6))
 
 
@@ -41,7 +41,19 @@ def test_calibration_of_a_fixed_batch_model_sees_every_image_once():
 def test_onnxruntime_errors_come_whole_on_one_line():
     sess = make_session(_fixed_batch_model(1))
     with pytest.raises(MaceqError) as e:
-        run_batched(sess, ["y"], {"x": np.zeros((3, 1, 3), np.float32)}, rows=1, what="calibration batch 0")
+        BatchedSession(sess).run(["y"], {"x": np.zeros((3, 1, 3), np.float32)}, what="calibration batch 0")
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("onnxruntime failed on calibration batch 0: ")
     assert "index: 1 Got: 1 Expected: 2" in msg and msg.rstrip().endswith("Please fix either the inputs/outputs or the model.")
+
+
+def test_a_graph_that_fixes_the_batch_behind_a_free_input_runs_one_sample_at_a_time():
+    model = _fixed_batch_model(1)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"  # the export says any batch ...
+    sess = make_session(model)
+    assert fixed_batch(sess) is None
+    runner = BatchedSession(sess)
+    x = np.random.default_rng(9).normal(size=(4, 2, 3)).astype(np.float32)
+    y, = runner.run(["y"], {"x": x})  # ... the Reshape to [1, -1] says one
+    assert runner.rows == 1
+    np.testing.assert_array_equal(y, np.maximum(x, 0).reshape(4, 6))
