@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maceq.errors import MaceqError
-from maceq.mace import mace_pb2
+from maceq.mace import add_arg, mace_pb2
+from maceq.mace.enums import (DataFormat, DataType, EltwiseType, FrameworkType, PoolingType, ReduceType,
+                              ResizeCoordinateMode)
 from maceq.quant.float_emit import FLOAT_EMITTABLE, cancel_inverse_transposes, emit_float_node
 from maceq.quant.ir import ACT_ATTR, Graph, Node
 from maceq.quant.scheme import adjust_range, scheme_for
@@ -28,15 +30,13 @@ from maceq.runtime.profiles import Device, get_profile
 from maceq.runtime.qtypes import QInfo
 from maceq.runtime.kernels.resize import onnx_resize_mapping
 
-DT_FLOAT, DT_UINT8, DT_INT32 = mace_pb2.DT_FLOAT, mace_pb2.DT_UINT8, mace_pb2.DT_INT32
-FRAMEWORK_ONNX = 2
-DF_NONE, DF_NHWC, DF_NCHW, DF_AUTO = 0, 1, 2, 1000
 INPUT_PREFIX, OUTPUT_PREFIX = "mace_input_node_", "mace_output_node_"
 #: Net-level arguments exactly as MACE's converter writes them for an ONNX model on the CPU.
-NET_ARGS = (("filter_format", 103), ("data_format", DF_NCHW), ("framework_type", FRAMEWORK_ONNX),
-            ("opencl_mem_type", 2), ("runtime_type", 0), ("quantize_flag", 1))
-ELTWISE_TYPES = {"Add": 0, "Sub": 1}
-POOL_AVG, POOL_MAX = 1, 2
+NET_ARGS = (("filter_format", DataFormat.OHWI), ("data_format", DataFormat.NCHW),
+            ("framework_type", FrameworkType.ONNX), ("opencl_mem_type", 2), ("runtime_type", 0), ("quantize_flag", 1))
+ELTWISE_TYPES = {"Add": EltwiseType.SUM, "Sub": EltwiseType.SUB}
+UINT8, FLOAT = "uint8", "float32"
+VIEW_OPS = ("Flatten", "Reshape", "Squeeze")  # ops that only relabel a tensor: it keeps its producer's scale
 
 
 @dataclass
@@ -50,35 +50,20 @@ class BuiltModel:
     tensor_map: dict[str, str] = field(default_factory=dict)  # MACE tensor -> IR tensor, where names differ
 
 
-def _arg(op, name, value):
-    a = op.arg.add()
-    a.name = name
-    if isinstance(value, str):
-        a.s = value.encode()
-    elif isinstance(value, float):
-        a.f = value
-    elif isinstance(value, (list, tuple)):
-        a.ints.extend(int(v) for v in value)
-    else:
-        a.i = int(value)
-    return a
-
-
 def _nhwc(shape) -> list[int]:
+    """An ONNX activation shape in MACE's NHWC order (4-D), unchanged otherwise."""
     shape = list(shape)
     return [shape[0], shape[2], shape[3], shape[1]] if len(shape) == 4 else shape
 
 
 def _total_pads(node: Node) -> list[int]:
+    """MACE ``padding_values`` (total per axis) of a node's ONNX pads; MaceqError when MACE cannot express them."""
     t, l, b, r = (list(node.attr("pads", [0, 0, 0, 0])) + [0] * 4)[:4]
     for lead, trail, what in ((t, b, "top/bottom"), (l, r, "left/right")):
         if lead != (lead + trail) >> 1:
             raise MaceqError(f"node '{node.name}': {what} pads ({lead}, {trail}) cannot be expressed as MACE "
                              "padding_values (leading pad must be total >> 1)")
     return [t + b, l + r]
-
-
-VIEW_OPS = ("Flatten", "Reshape", "Squeeze")  # ops that only relabel a tensor: it keeps its producer's scale
 
 
 class MaceBuilder:
@@ -104,16 +89,16 @@ class MaceBuilder:
         self.placement: dict[str, str] = {}
 
     # -- precision boundaries ------------------------------------------------------
-    def _quantize_op(self, src: str, qname: str, tensor: str, *, find_range: bool, data_format: int) -> str:
+    def _quantize_op(self, src: str, qname: str, tensor: str, *, find_range: bool, data_format: DataFormat) -> str:
         """A Quantize op making the uint8 tensor ``qname`` from the float ``src`` (IR tensor ``tensor``)."""
         op = self.net.op.add()
         op.input.append(src)
         op.output.append(qname)
         op.name = qname
         op.type = "Quantize"
-        _arg(op, "T", DT_UINT8)
-        _arg(op, "data_format", data_format)
-        _arg(op, "find_range_every_time", int(find_range))
+        add_arg(op, "T", DataType.DT_UINT8)
+        add_arg(op, "data_format", data_format)
+        add_arg(op, "find_range_every_time", int(find_range))
         op.output_shape.add().dims.extend(_nhwc(self.shapes[tensor]))
         p = self._range_q(tensor)
         self._qinfo_msg(op, p)
@@ -123,10 +108,6 @@ class MaceBuilder:
         self.tensor_map[qname] = tensor
         return qname
 
-    def _input_quantize(self, vi):
-        # MACE's input Quantize recomputes its range from every input (find_range_every_time).
-        self._quantize_op(vi.name, INPUT_PREFIX + vi.name, vi.name, find_range=True, data_format=DF_NHWC)
-
     def _as_uint8(self, tensor: str) -> str:
         """The MACE name of ``tensor``'s uint8 version, inserting a Quantize op after a float producer."""
         if tensor in self.rename:
@@ -134,19 +115,20 @@ class MaceBuilder:
         src = self.float_name.get(tensor)
         if src is None:
             raise MaceqError(f"tensor '{tensor}' is used before it is produced")
-        return self._quantize_op(src, tensor + "__quant", tensor, find_range=False, data_format=DF_AUTO)
+        return self._quantize_op(src, tensor + "__quant", tensor, find_range=False, data_format=DataFormat.AUTO)
 
     def _dequantize(self, tensor: str, src: str, *, out_name: str, op_name: str) -> str:
+        """A Dequantize op making the float ``out_name`` from the uint8 ``src`` (IR tensor ``tensor``)."""
         prod = next(op for op in self.net.op if src in op.output)
         op = self.net.op.add()
         op.input.append(src)
         op.output.append(out_name)
         op.name = op_name
         op.type = "Dequantize"
-        _arg(op, "T", DT_UINT8)
-        _arg(op, "data_format", DF_NHWC if len(self.shapes[tensor]) == 4 else DF_NONE)
+        add_arg(op, "T", DataType.DT_UINT8)
+        add_arg(op, "data_format", DataFormat.NHWC if len(self.shapes[tensor]) == 4 else DataFormat.NONE)
         op.output_shape.add().dims.extend(list(prod.output_shape[0].dims))
-        op.output_type.append(DT_FLOAT)
+        op.output_type.append(DataType.DT_FLOAT)
         self.op_sources[op_name] = tensor
         if out_name != tensor:
             self.tensor_map[out_name] = tensor
@@ -181,6 +163,7 @@ class MaceBuilder:
 
     # -- helpers -----------------------------------------------------------
     def _range_q(self, tensor: str) -> QInfo:
+        """The device scheme's quantization of ``tensor``'s calibrated range (recorded as used)."""
         if tensor not in self.ranges:
             raise MaceqError(f"tensor '{tensor}' has no calibrated range")
         lo, hi = self.ranges[tensor]
@@ -188,13 +171,12 @@ class MaceBuilder:
         return self.scheme.activation(lo, hi)
 
     def _qinfo_msg(self, op, p: QInfo):
+        """Append ``p`` to ``op``'s quantize_info."""
         qi = op.quantize_info.add()
         qi.scale, qi.zero_point, qi.minval, qi.maxval = p.scale, p.zero_point, p.minval, p.maxval
 
-    def _f32(self, x: float) -> float:
-        return float(np.float32(x))
-
-    def _add_const(self, name: str, arr: np.ndarray, dtype, p: QInfo | None):
+    def _add_const(self, name: str, arr: np.ndarray, dtype: DataType, p: QInfo | None):
+        """Add a const tensor (quantized when ``p`` is given) and its array."""
         t = self.net.tensors.add()
         t.dims.extend(int(d) for d in arr.shape)
         t.data_type = dtype
@@ -205,26 +187,31 @@ class MaceBuilder:
         self.arrays[name] = arr
 
     def _new_op(self, node_name: str, op_type: str, inputs, outputs, *, source: str | None = None):
+        """Append a uint8 op (T = DT_UINT8) whose source node is ``source`` (default: its own name)."""
         op = self.net.op.add()
         op.input.extend(inputs)
         op.output.extend(outputs)
         op.name = node_name
         op.type = op_type
-        _arg(op, "T", DT_UINT8)
+        add_arg(op, "T", DataType.DT_UINT8)
         self.op_sources[node_name] = source if source is not None else node_name
         return op
 
     def _common(self, op):
-        _arg(op, "framework_type", FRAMEWORK_ONNX)
-        _arg(op, "data_format", DF_AUTO)
+        """The framework_type and data_format args every uint8 compute op carries."""
+        add_arg(op, "framework_type", FrameworkType.ONNX)
+        add_arg(op, "data_format", DataFormat.AUTO)
 
     def _src(self, tensor: str) -> str:
+        """The MACE name of an IR tensor already emitted in uint8."""
         return self.rename.get(tensor, tensor)
 
     def _in_q(self, tensor: str) -> QInfo:
+        """The quantization of an IR tensor already emitted in uint8."""
         return self.qinfo[self._src(tensor)]
 
     def _finish(self, op, node: Node, out_tensor: str, p: QInfo):
+        """Give ``op`` its NHWC output shape and output quantization ``p``."""
         shape = self.shapes.get(out_tensor)
         if shape is None:
             raise MaceqError(f"node '{node.name}': unknown shape of output '{out_tensor}'")
@@ -239,35 +226,46 @@ class MaceBuilder:
         qw = self.scheme.weights(w_mace, out_axis_last_two=depthwise)
         wname = node.inputs[1]
         if qw.params is not None:
-            self._add_const(wname, qw.codes, DT_UINT8, qw.params)
+            self._add_const(wname, qw.codes, DataType.DT_UINT8, qw.params)
         else:
-            self._add_const(wname, qw.codes.astype(np.int8), mace_pb2.DT_INT8,
+            self._add_const(wname, qw.codes.astype(np.int8), DataType.DT_INT8,
                             QInfo(float(qw.channel_scales.max()), 0, 0.0, 0.0))
         names = [wname]
         n_out = w_mace.shape[2] * w_mace.shape[3] if depthwise else w_mace.shape[0]
         if bias is None:
             bias = np.zeros(n_out, np.float32)
         # transformer.py: scale = quantize_info[input].scale * consts[filter].scale, both float32 fields.
-        s_in = self._f32(self._in_q(node.inputs[0]).scale)
+        s_in = float(np.float32(self._in_q(node.inputs[0]).scale))
         qb, bp = self.scheme.bias(bias, s_in, qw)
         bname = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else node.name + "_bias"
-        self._add_const(bname, qb, DT_INT32, bp)
+        self._add_const(bname, qb, DataType.DT_INT32, bp)
         names.append(bname)
         if qw.channel_scales is not None:
             sname = wname + "__scales"
-            self._add_const(sname, qw.channel_scales.astype(np.float32), DT_FLOAT, None)
+            self._add_const(sname, qw.channel_scales.astype(np.float32), DataType.DT_FLOAT, None)
             names.append(sname)
         return names
 
     def _is_depthwise(self, node: Node) -> bool:
+        """Whether a Conv node is a depthwise convolution (one filter per input channel)."""
         w = self.g.const(node.inputs[1])
         group = int(node.attr("group", 1))
         return group > 1 and w.shape[1] == 1 and group == self.shapes[node.inputs[0]][1]
 
-    def _out_q(self, node: Node, out: str) -> QInfo:
-        return self._range_q(out)
+    def _check_conv(self, node: Node, depthwise: bool):
+        """Refuse the Conv forms MACE's uint8 Conv2D / DepthwiseConv2d cannot run."""
+        if node.attr("auto_pad", "NOTSET") not in ("NOTSET", ""):
+            raise MaceqError(f"node '{node.name}' (Conv): auto_pad={node.attr('auto_pad')} is not supported; "
+                             "re-export with explicit pads")
+        group = int(node.attr("group", 1))
+        if not depthwise and group != 1:
+            raise MaceqError(f"node '{node.name}' (Conv): grouped convolution (group={group}) has no uint8 kernel "
+                             "in MACE's CPU runtime")
+        if not depthwise and any(int(d) != 1 for d in node.attr("dilations", [1, 1])):
+            raise MaceqError(f"node '{node.name}' (Conv): MACE's uint8 Conv2D rejects dilation > 1")
 
     def emit_conv(self, node: Node, out_name: str, op_name: str):
+        """Conv: Conv2D with OHWI weights, or DepthwiseConv2d with [KH, KW, C, M] weights."""
         if not self.g.is_const(node.inputs[1]):
             raise MaceqError(f"node '{node.name}' (Conv): weights are not constant")
         w = self.g.const(node.inputs[1]).astype(np.float32)  # OIHW
@@ -281,47 +279,42 @@ class MaceBuilder:
             w_mace = w.reshape(group, c, w.shape[2], w.shape[3]).transpose(2, 3, 0, 1)  # [KH, KW, C, M]
         else:
             w_mace = w.transpose(0, 2, 3, 1)  # OHWI
-        if node.attr("auto_pad", "NOTSET") not in ("NOTSET", ""):
-            raise MaceqError(f"node '{node.name}' (Conv): auto_pad={node.attr('auto_pad')} is not supported; "
-                             "re-export with explicit pads")
-        if not depthwise and group != 1:
-            raise MaceqError(f"node '{node.name}' (Conv): grouped convolution (group={group}) has no uint8 kernel "
-                             "in MACE's CPU runtime")
-        if not depthwise and any(int(d) != 1 for d in node.attr("dilations", [1, 1])):
-            raise MaceqError(f"node '{node.name}' (Conv): MACE's uint8 Conv2D rejects dilation > 1")
+        self._check_conv(node, depthwise)
         op = self._new_op(op_name, "DepthwiseConv2d" if depthwise else "Conv2D", [], [out_name], source=node.name)
         op.input.append(self._src(node.inputs[0]))
         op.input.extend(self._weights_and_bias(node, w_mace, bias, depthwise=depthwise))
         self._common(op)
-        _arg(op, "strides", node.attr("strides", [1, 1]))
-        _arg(op, "kernels", list(w.shape[2:]))
-        _arg(op, "padding_values", _total_pads(node))
-        _arg(op, "group", group)
-        _arg(op, "dilations", node.attr("dilations", [1, 1]))
+        add_arg(op, "strides", node.attr("strides", [1, 1]))
+        add_arg(op, "kernels", list(w.shape[2:]))
+        add_arg(op, "padding_values", _total_pads(node))
+        add_arg(op, "group", group)
+        add_arg(op, "dilations", node.attr("dilations", [1, 1]))
         self._activation_args(op, node)
-        self._finish(op, node, node.outputs[0], self._out_q(node, node.outputs[0]))
+        self._finish(op, node, node.outputs[0], self._range_q(node.outputs[0]))
 
     def _activation_args(self, op, node: Node):
+        """A fused ReLU / ReLUX as MACE activation args."""
         act = node.attr(ACT_ATTR)
         if act is None:
             return
         lo, hi = act
         if lo == 0.0 and math.isinf(hi):
-            _arg(op, "activation", "RELU")
+            add_arg(op, "activation", "RELU")
         elif lo == 0.0:
-            _arg(op, "activation", "RELUX")
-            _arg(op, "max_limit", float(hi))
+            add_arg(op, "activation", "RELUX")
+            add_arg(op, "max_limit", float(hi))
         # Other clamps act only through the output range (MACE's uint8 kernels ignore
         # the activation args anyway, see docs/semantics.md).
 
-    def emit_gemm(self, node: Node, out_name: str, op_name: str):
+    def _fc_input(self, node: Node) -> tuple[str, tuple[int, ...]]:
+        """(the IR tensor FullyConnected reads, its shape): a folded view's input replaces the view."""
         src = node.inputs[0]
-        in_shape = None
         if src in self.view_src:
-            in_shape = self.shapes[self.view_src[src]]
-            src = self.view_src[src]
-        else:
-            in_shape = self.shapes[src]
+            return self.view_src[src], self.shapes[self.view_src[src]]
+        return src, self.shapes[src]
+
+    def _fc_weights(self, node: Node, in_shape) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the FullyConnected weight [O, H, W, C] in NHWC flatten order, the bias or None), alpha and beta folded."""
         if not self.g.is_const(node.inputs[1]):
             raise MaceqError(f"node '{node.name}' ({node.op_type}): the weight matrix is not constant")
         if node.attr("transA", 0):
@@ -341,72 +334,82 @@ class MaceBuilder:
             _, c, h, wd = in_shape
             if c * h * wd != w.shape[1]:
                 raise MaceqError(f"node '{node.name}': weight columns {w.shape[1]} != flattened input {c * h * wd}")
-            w_mace = w.reshape(o, c, h, wd).transpose(0, 2, 3, 1)  # [O, H, W, C], NHWC flatten order
-        elif len(in_shape) == 2:
-            w_mace = w.reshape(o, 1, 1, w.shape[1])
-        else:
-            raise MaceqError(f"node '{node.name}': FullyConnected input of rank {len(in_shape)} is not supported")
+            return w.reshape(o, c, h, wd).transpose(0, 2, 3, 1), bias
+        if len(in_shape) == 2:
+            return w.reshape(o, 1, 1, w.shape[1]), bias
+        raise MaceqError(f"node '{node.name}': FullyConnected input of rank {len(in_shape)} is not supported")
+
+    def emit_gemm(self, node: Node, out_name: str, op_name: str):
+        """Gemm / MatMul with a constant weight: FullyConnected (reading through a folded Flatten/Reshape)."""
+        src, in_shape = self._fc_input(node)
+        w_mace, bias = self._fc_weights(node, in_shape)
+        o = w_mace.shape[0]
         op = self._new_op(op_name, "FullyConnected", [self._src(src)], [out_name], source=node.name)
         node_for_q = Node(node.name, node.op_type, [src] + node.inputs[1:], node.outputs, node.attrs)
         op.input.extend(self._weights_and_bias(node_for_q, w_mace.astype(np.float32), bias))
         self._common(op)
-        _arg(op, "transpose_a", 0)
-        _arg(op, "transpose_b", 1)
+        add_arg(op, "transpose_a", 0)
+        add_arg(op, "transpose_b", 1)
         self._activation_args(op, node)
         shape = (in_shape[0], o, 1, 1)
         self.shapes[node.outputs[0] + "__fc4d"] = shape
         op.output_shape.add().dims.extend([shape[0], 1, 1, o])
-        p = self._out_q(node, node.outputs[0])
+        p = self._range_q(node.outputs[0])
         self._qinfo_msg(op, p)
         self.qinfo[out_name] = p
 
     def emit_eltwise(self, node: Node, out_name: str, op_name: str):
+        """Add / Sub of two activations: Eltwise SUM / SUB."""
         for i in node.inputs:
             if self.g.is_const(i):
                 raise MaceqError(f"node '{node.name}' ({node.op_type}): a constant operand is not supported "
                                  "by MACE's uint8 Eltwise")
         op = self._new_op(op_name, "Eltwise", [self._src(i) for i in node.inputs], [out_name], source=node.name)
         self._common(op)
-        _arg(op, "type", ELTWISE_TYPES[node.op_type])
-        _arg(op, "has_data_format", 1)
-        self._finish(op, node, node.outputs[0], self._out_q(node, node.outputs[0]))
+        add_arg(op, "type", ELTWISE_TYPES[node.op_type])
+        add_arg(op, "has_data_format", 1)
+        self._finish(op, node, node.outputs[0], self._range_q(node.outputs[0]))
 
     def emit_global_pool(self, node: Node, out_name: str, op_name: str):
+        """GlobalAveragePool: Reduce MEAN over H and W, keeping them."""
         op = self._new_op(op_name, "Reduce", [self._src(node.inputs[0])], [out_name], source=node.name)
         self._common(op)
-        _arg(op, "reduce_type", 0)
-        _arg(op, "axis", [1, 2])
-        _arg(op, "keepdims", 1)
-        _arg(op, "has_data_format", 1)
+        add_arg(op, "reduce_type", ReduceType.MEAN)
+        add_arg(op, "axis", [1, 2])
+        add_arg(op, "keepdims", 1)
+        add_arg(op, "has_data_format", 1)
         # transformer.py add_quantize_tensor_range: Reduce copies its producer's quantize info.
         self._finish(op, node, node.outputs[0], self._in_q(node.inputs[0]))
 
     def emit_pool(self, node: Node, out_name: str, op_name: str):
+        """MaxPool / AveragePool: Pooling MAX / AVG."""
         if node.attr("ceil_mode", 0):
             raise MaceqError(f"node '{node.name}' ({node.op_type}): ceil_mode=1 is not supported")
         if node.op_type == "AveragePool" and node.attr("count_include_pad", 0) and any(node.attr("pads", [0])):
             raise MaceqError(f"node '{node.name}' (AveragePool): count_include_pad=1 with padding is not supported")
         op = self._new_op(op_name, "Pooling", [self._src(node.inputs[0])], [out_name], source=node.name)
         self._common(op)
-        _arg(op, "pooling_type", POOL_AVG if node.op_type == "AveragePool" else POOL_MAX)
-        _arg(op, "kernels", node.attr("kernel_shape"))
-        _arg(op, "strides", node.attr("strides", [1, 1]))
-        _arg(op, "padding_values", _total_pads(node))
-        _arg(op, "dilations", node.attr("dilations", [1, 1]))
-        _arg(op, "round_mode", 0)
+        add_arg(op, "pooling_type", PoolingType.AVG if node.op_type == "AveragePool" else PoolingType.MAX)
+        add_arg(op, "kernels", node.attr("kernel_shape"))
+        add_arg(op, "strides", node.attr("strides", [1, 1]))
+        add_arg(op, "padding_values", _total_pads(node))
+        add_arg(op, "dilations", node.attr("dilations", [1, 1]))
+        add_arg(op, "round_mode", 0)
         self._finish(op, node, node.outputs[0], self._in_q(node.inputs[0]))
 
     def emit_concat(self, node: Node, out_name: str, op_name: str):
+        """Concat on the NHWC axis."""
         rank = len(self.shapes[node.outputs[0]])
         axis = int(node.attr("axis", 1)) % rank
         if rank == 4:
             axis = [0, 3, 1, 2][axis]
         op = self._new_op(op_name, "Concat", [self._src(i) for i in node.inputs], [out_name], source=node.name)
         self._common(op)
-        _arg(op, "axis", axis)
-        self._finish(op, node, node.outputs[0], self._out_q(node, node.outputs[0]))
+        add_arg(op, "axis", axis)
+        self._finish(op, node, node.outputs[0], self._range_q(node.outputs[0]))
 
     def emit_softmax(self, node: Node, out_name: str, op_name: str):
+        """Softmax over the last (NHWC: channel) axis."""
         rank = len(self.shapes[node.outputs[0]])
         if int(node.attr("axis", -1)) % rank != rank - 1 and rank != 4:
             raise MaceqError(f"node '{node.name}' (Softmax): only the last axis is supported")
@@ -416,71 +419,103 @@ class MaceBuilder:
         self._finish(op, node, node.outputs[0], adjust_range(0.0, 1.0, non_zero=False))
 
     def emit_resize(self, node: Node, out_name: str, op_name: str):
+        """A linear Resize / Upsample that MACE's uint8 kernel computes exactly: ResizeBilinear."""
         m = _resize_mapping(self.g, node, self.shapes).mace
         op = self._new_op(op_name, "ResizeBilinear", [self._src(node.inputs[0])], [out_name], source=node.name)
         self._common(op)
-        _arg(op, "size", list(self.shapes[node.outputs[0]][2:]))
-        _arg(op, "align_corners", int(m.align_corners))
-        if int(m.coordinate_mode) != 0:
-            _arg(op, "coordinate_transformation_mode", int(m.coordinate_mode))
+        add_arg(op, "size", list(self.shapes[node.outputs[0]][2:]))
+        add_arg(op, "align_corners", int(m.align_corners))
+        if m.coordinate_mode != ResizeCoordinateMode.NONE:
+            add_arg(op, "coordinate_transformation_mode", ResizeCoordinateMode(m.coordinate_mode))
         if m.scale_hw is not None:
-            _arg(op, "height_scale", float(m.scale_hw[0]))
-            _arg(op, "width_scale", float(m.scale_hw[1]))
+            add_arg(op, "height_scale", float(m.scale_hw[0]))
+            add_arg(op, "width_scale", float(m.scale_hw[1]))
         # transformer.py add_quantize_tensor_range: ResizeBilinear copies its producer's quantize info.
         self._finish(op, node, node.outputs[0], self._in_q(node.inputs[0]))
 
-    EMITTERS = {"Conv": emit_conv, "Resize": emit_resize, "Upsample": emit_resize, "Gemm": emit_gemm, "MatMul": emit_gemm, "Add": emit_eltwise,
-                "Sub": emit_eltwise, "GlobalAveragePool": emit_global_pool, "MaxPool": emit_pool,
-                "AveragePool": emit_pool, "Concat": emit_concat, "Softmax": emit_softmax}
-    VIEW_OPS = VIEW_OPS
+    EMITTERS = {"Conv": emit_conv, "Resize": emit_resize, "Upsample": emit_resize, "Gemm": emit_gemm,
+                "MatMul": emit_gemm, "Add": emit_eltwise, "Sub": emit_eltwise, "GlobalAveragePool": emit_global_pool,
+                "MaxPool": emit_pool, "AveragePool": emit_pool, "Concat": emit_concat, "Softmax": emit_softmax}
 
     # -- whole graph ---------------------------------------------------------------
     def build(self, *, strict: bool = False, fp32=frozenset()) -> BuiltModel:
-        g = self.g
-        self.view_src, self.placement = place_nodes(g, device=self.device, strict=strict, shapes=self.shapes,
+        """The whole model: each node in its placement, Quantize / Dequantize at the boundaries, the net's info."""
+        self.view_src, self.placement = place_nodes(self.g, device=self.device, strict=strict, shapes=self.shapes,
                                                     fp32=fp32)
-        consumers = g.consumers()
-        for vi in g.inputs:
+        self._quantize_inputs()
+        for node in self.g.nodes:
+            if node.name in self.placement:  # else: a view folded into FullyConnected
+                self._emit_node(node)
+        self._dequantize_outputs()
+        self._cancel_transposes()
+        self._sort_tensors()
+        for name, value in NET_ARGS:
+            add_arg(self.net, name, value)
+        self.net.data_type = DataType.DT_FLOAT
+        self.net.name = "default_graph"
+        self.net.infer_order = 0
+        self._input_info()
+        self._output_info()
+        multi = mace_pb2.MultiNetDef()
+        multi.net_def.append(self.net)
+        multi.input_tensor.extend(vi.name for vi in self.g.inputs)
+        multi.output_tensor.extend(self.g.outputs)
+        return BuiltModel(multi, self.arrays, dict(self.used_ranges), self.op_sources, dict(self.tensor_map))
+
+    def _quantize_inputs(self):
+        """Name each graph input as its float version; quantize those a uint8 op reads.
+
+        MACE's input Quantize recomputes its range from every input (find_range_every_time).
+        """
+        consumers = self.g.consumers()
+        for vi in self.g.inputs:
             self.float_name[vi.name] = vi.name
             if any(self.placement.get(c.name) == UINT8 for c in consumers.get(vi.name, [])):
-                self._input_quantize(vi)
-        outputs = set(g.outputs)
-        for node in g.nodes:
-            if node.name not in self.placement:
-                continue  # a view folded into FullyConnected
-            out = node.outputs[0]
-            if len(node.outputs) != 1 and self.placement[node.name] == UINT8:
-                raise MaceqError(f"node '{node.name}' ({node.op_type}): {len(node.outputs)} outputs are not supported")
-            is_out = out in outputs
-            if self.placement[node.name] == UINT8:
-                for i in node.inputs:
-                    t = self.view_src.get(i, i)
-                    if t and not g.is_const(t):
-                        self._as_uint8(t)
-                out_name = OUTPUT_PREFIX + out if is_out else out
-                op_name = OUTPUT_PREFIX + node.name if is_out else node.name
-                self.EMITTERS[node.op_type](self, node, out_name, op_name)
-                self.rename[out] = out_name
-                if out_name != out:
-                    self.tensor_map[out_name] = out
-            else:
-                self._emit_float(node)
-        for out in g.outputs:
+                self._quantize_op(vi.name, INPUT_PREFIX + vi.name, vi.name, find_range=True,
+                                  data_format=DataFormat.NHWC)
+
+    def _emit_node(self, node: Node):
+        """The MACE op(s) of one placed node: its uint8 emitter (operands quantized first) or the float path."""
+        if self.placement[node.name] != UINT8:
+            self._emit_float(node)
+            return
+        if len(node.outputs) != 1:
+            raise MaceqError(f"node '{node.name}' ({node.op_type}): {len(node.outputs)} outputs are not supported")
+        for i in node.inputs:
+            t = self.view_src.get(i, i)
+            if t and not self.g.is_const(t):
+                self._as_uint8(t)
+        out = node.outputs[0]
+        is_out = out in self.g.outputs
+        out_name = OUTPUT_PREFIX + out if is_out else out
+        op_name = OUTPUT_PREFIX + node.name if is_out else node.name
+        self.EMITTERS[node.op_type](self, node, out_name, op_name)
+        self.rename[out] = out_name
+        if out_name != out:
+            self.tensor_map[out_name] = out
+
+    def _dequantize_outputs(self):
+        """A Dequantize op for each graph output produced in uint8 (a float output is already named as it)."""
+        for out in self.g.outputs:
             if out in self.float_name and out not in self.rename:
-                continue  # produced in float: already named as the output
+                continue
             src = self.rename.get(out)
             if src is None:
                 raise MaceqError(f"graph output '{out}' is not produced by any emitted op")
             self._dequantize(out, src, out_name=out, op_name=out)
-        # Back-to-back NHWC<->NCHW transposes between consecutive float ops cancel out.
+
+    def _cancel_transposes(self):
+        """Drop the back-to-back NHWC<->NCHW transposes between consecutive float ops."""
         kept = []
-        for op in cancel_inverse_transposes(list(self.net.op), keep=set(g.outputs)):
+        for op in cancel_inverse_transposes(list(self.net.op), keep=set(self.g.outputs)):
             c = mace_pb2.OperatorDef()
             c.CopyFrom(op)
             kept.append(c)
         del self.net.op[:]
         self.net.op.extend(kept)
-        # MACE's converter keeps the source model's initializer order for the weights.
+
+    def _sort_tensors(self):
+        """Put the const tensors in the source model's initializer order, as MACE's converter keeps them."""
         order = {name: k for k, name in enumerate(self.g.initializers)}
         tensors = sorted(self.net.tensors, key=lambda t: order.get(t.name, len(order)))
         copies = [type(t)() for t in tensors]
@@ -488,43 +523,36 @@ class MaceBuilder:
             c.CopyFrom(t)
         del self.net.tensors[:]
         self.net.tensors.extend(copies)
-        for name, value in NET_ARGS:
-            _arg(self.net, name, value)
-        self.net.data_type = DT_FLOAT
-        self.net.name = "default_graph"
-        self.net.infer_order = 0
-        for vi in g.inputs:
+
+    def _input_info(self):
+        """The net's input_info: NHWC float inputs, with the input Quantize's scale and zero point."""
+        for vi in self.g.inputs:
             info = self.net.input_info.add()
             info.name = vi.name
             info.dims.extend(_nhwc(self.shapes[vi.name]))
-            info.data_type = DT_FLOAT
-            info.data_format = DF_NHWC
+            info.data_type = DataType.DT_FLOAT
+            info.data_format = DataFormat.NHWC
             if INPUT_PREFIX + vi.name in self.qinfo:
                 p = self.qinfo[INPUT_PREFIX + vi.name]
                 info.scale, info.zero_point = p.scale, p.zero_point
             info.alias = vi.name
-        for out in g.outputs:
+
+    def _output_info(self):
+        """The net's output_info: float outputs, with the uint8 producer's scale and zero point."""
+        for out in self.g.outputs:
             info = self.net.output_info.add()
             info.name = out
             info.dims.extend(_nhwc(self.shapes[out]))
-            info.data_type = DT_FLOAT
-            info.data_format = DF_NHWC if len(self.shapes[out]) == 4 else DF_NONE
+            info.data_type = DataType.DT_FLOAT
+            info.data_format = DataFormat.NHWC if len(self.shapes[out]) == 4 else DataFormat.NONE
             if out in self.rename:
                 p = self.qinfo[self.rename[out]]
                 info.scale, info.zero_point = p.scale, p.zero_point
             info.alias = out
-        multi = mace_pb2.MultiNetDef()
-        multi.net_def.append(self.net)
-        multi.input_tensor.extend(vi.name for vi in g.inputs)
-        multi.output_tensor.extend(g.outputs)
-        return BuiltModel(multi, self.arrays, dict(self.used_ranges), self.op_sources, dict(self.tensor_map))
-
-
-UINT8, FLOAT = "uint8", "float32"
 
 
 def _resize_mapping(g: Graph, node: Node, shapes):
-    """G's ONNX Resize mapping for a linear Resize/Upsample with constant scales/sizes, else None."""
+    """The ONNX Resize mapping for a linear Resize/Upsample with constant scales/sizes, else None."""
     x, out = node.inputs[0], node.outputs[0]
     if x not in shapes or out not in shapes or len(shapes[x]) != 4:
         return None

@@ -26,6 +26,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.mace import mace_pb2
+from maceq.mace.enums import DataType
 from maceq.mace.format import LoadedModel, add_arg, get_arg
 from maceq.runtime.model import Model
 from maceq.runtime.profiles import Device, get_profile
@@ -64,6 +65,7 @@ class SafeFormCost:
         return self.pad_bytes / self.activation_bytes_before if self.activation_bytes_before else 0.0
 
     def describe(self) -> str:
+        """One line for the CLI and the model's metadata."""
         return (f"+{self.ops_after - self.ops_before} Pad op(s) ({self.ops_before} -> {self.ops_after} ops), MACs "
                 f"unchanged ({self.macs:,}), +{self.pad_bytes:,} bytes copied per run "
                 f"(+{100 * self.byte_increase:.1f}% of the activation bytes the model writes)")
@@ -100,6 +102,7 @@ def find_defects(model: Model, device: Device) -> dict[str, str]:
 
 
 def _shape_of(model: Model, tensor: str):
+    """The shape of ``tensor`` in ``model`` (op output, const or input), or None."""
     for op in model.ops:
         if tensor in op.outputs:
             return op.output_shapes[op.outputs.index(tensor)]
@@ -110,6 +113,7 @@ def _shape_of(model: Model, tensor: str):
 
 
 def _producer_qinfo(net, tensor: str):
+    """The quantize_info of the op that produces ``tensor``, or None."""
     for op in net.op:
         if tensor in op.output and op.quantize_info:
             return op.quantize_info[list(op.output).index(tensor) if len(op.quantize_info) > 1 else 0]
@@ -128,7 +132,7 @@ def _pad_op(net, dw, in_shape) -> tuple[object, tuple[int, ...]]:
     pad.type = "Pad"
     pad.input.append(dw.input[0])
     pad.output.append(dw.input[0] + PAD_SUFFIX + "_" + dw.name)
-    add_arg(pad, "T", mace_pb2.DT_UINT8)
+    add_arg(pad, "T", DataType.DT_UINT8)
     for a in dw.arg:
         if a.name in ("framework_type", "data_format"):
             pad.arg.add().CopyFrom(a)
