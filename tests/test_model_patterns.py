@@ -85,3 +85,26 @@ def test_a_model_with_a_fixed_batch_of_one_quantizes_with_the_default_batch_size
              helper.make_node("Reshape", ["r", "s"], ["f"], name="flat"),
              helper.make_node("MatMul", ["f", "fc"], ["y"], name="fc")]
     _check_all_devices(tmp_path, _save(tmp_path / "b1.onnx", nodes, inits, size=8, batch=batch), 8, tol=0.2)
+
+
+def test_float_share_counts_the_float_macs_boundaries_and_dsp_fallback(tmp_path):
+    """A 3x3 conv (3 -> 4 channels) in uint8, a 1x1 conv (4 -> 4) kept in float32, on 8x8 inputs."""
+    from maceq.quant.config import QuantConfig
+    from maceq.reports.cost import float_share
+
+    rng = np.random.default_rng(5)
+    inits = {"w1": rng.normal(0, .4, (4, 3, 3, 3)).astype(np.float32), "w2": rng.normal(0, .4, (4, 4, 1, 1)).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="c1"),
+             helper.make_node("Conv", ["c1", "w2"], ["c2"], name="c2"),
+             helper.make_node("Relu", ["c2"], ["y"], name="relu")]
+    path = _save(tmp_path / "fs.onnx", nodes, inits, size=8)
+    res = quantize(path, _images(tmp_path, 8), output_dir=tmp_path / "out", preprocess=Preprocess(resize=(8, 8), scale=1 / 255),
+                   progress=False, devices=("cpu", "dsp"), config=QuantConfig(fp32_layers=("c2",)))
+    cpu = float_share(load(res.per_device["cpu"].yml), "cpu")
+    assert (cpu.macs, cpu.float_macs) == (8 * 8 * 4 * 27 + 8 * 8 * 4 * 4, 8 * 8 * 4 * 4)
+    assert cpu.boundaries == 1 and cpu.transfers == 0 and cpu.warning is None  # one Dequantize before the float conv
+    assert "1 float<->uint8 boundaries" in cpu.describe()
+    dsp = float_share(load(res.per_device["dsp"].yml), "dsp")
+    # nnlib has no float ops: every one runs on the cpu fallback, after one dsp -> cpu transfer
+    assert dsp.float_macs == cpu.float_macs and dsp.fallback_ops == dsp.float_ops == cpu.float_ops
+    assert dsp.transfers == 1 and "3 ops on the cpu fallback with 1 dsp<->cpu transfers per run" in dsp.describe()

@@ -1,0 +1,68 @@
+"""How much of a quantized model runs in float, and how often tensors change hands.
+
+Float ops are the model's ops with ``T = DT_FLOAT`` (mixed precision, or ops without a uint8 kernel);
+every Quantize/Dequantize between them and the uint8 ops is a boundary. On the dsp device, ops nnlib
+lacks or rejects run on the CPU: each tensor that crosses between the two processors is a transfer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from maceq.mace.cost import is_float, op_macs
+from maceq.runtime.model import Model
+from maceq.runtime.profiles import Device, get_profile
+
+#: above this share of the MACs in float, quantize warns
+FLOAT_SHARE_WARNING = 1 / 3
+
+
+@dataclass(frozen=True)
+class FloatShare:
+    device: Device
+    ops: int
+    float_ops: int
+    macs: int
+    float_macs: int
+    boundaries: int  # Quantize/Dequantize ops inside the graph (the input's and the outputs' not counted)
+    transfers: int  # tensors crossing between the device's processor and its fallback (dsp <-> cpu)
+    fallback_ops: int  # ops that run on the fallback processor
+
+    @property
+    def float_mac_share(self) -> float:
+        return self.float_macs / self.macs if self.macs else 0.0
+
+    def describe(self) -> str:
+        """One line: the float share of ops and MACs, the boundaries, and the fallback traffic."""
+        line = (f"{self.float_ops} of {self.ops} ops in float32 ({100 * self.float_mac_share:.1f}% of "
+                f"{self.macs:,} MACs), {self.boundaries} float<->uint8 boundaries")
+        fallback = get_profile(self.device).fallback
+        if fallback is not None:
+            line += (f", {self.fallback_ops} ops on the {fallback.value} fallback with {self.transfers} "
+                     f"{self.device.value}<->{fallback.value} transfers per run")
+        return line
+
+    @property
+    def warning(self) -> str | None:
+        if self.float_mac_share <= FLOAT_SHARE_WARNING:
+            return None
+        return (f"warning: {100 * self.float_mac_share:.0f}% of the MACs run in float32 on {self.device.value}: "
+                f"the int8 model will be slow there; see which ops with `maceq inspect`")
+
+
+def float_share(model: Model, device: "Device | str") -> FloatShare:
+    """The float share of ``model`` on ``device`` (one probe run when the device has a fallback)."""
+    device = Device.parse(device)
+    ops = list(model.net_def.op)
+    inputs, outputs = set(model.input_names), set(model.output_names)
+    boundaries = sum(1 for op in ops if (op.type == "Quantize" and op.input[0] not in inputs)
+                     or (op.type == "Dequantize" and op.output[0] not in outputs))
+    compute = [op for op in ops if op.type not in ("Quantize", "Dequantize")]
+    transfers = fallback_ops = 0
+    if get_profile(device).fallback is not None:
+        placement = model.placement(device.value)
+        transfers = model.boundary_transfers(placement)
+        fallback_ops = sum(1 for where, _ in placement.values() if where != device.value)
+    return FloatShare(device, len(compute), sum(1 for op in compute if is_float(op)),
+                      sum(op_macs(op, model.consts) for op in ops),
+                      sum(op_macs(op, model.consts) for op in ops if is_float(op)),
+                      boundaries, transfers, fallback_ops)
