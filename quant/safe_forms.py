@@ -26,6 +26,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.mace import mace_pb2
+from maceq.mace.cost import net_macs
 from maceq.mace.enums import DataType
 from maceq.mace.format import LoadedModel, add_arg, get_arg
 from maceq.runtime.model import Model
@@ -185,28 +186,13 @@ def in_memory_model(multi_net_def, arrays, device: Device) -> Model:
     return Model(LoadedModel(net, dict(arrays), {"maceq": {"device": Device.parse(device).value}}, None, multi_net_def))
 
 
-def macs(ops, arrays) -> int:
-    """Multiply-accumulates per run of the Conv2D, DepthwiseConv2d and FullyConnected ops in ``ops``."""
-    total = 0
-    for op in ops:
-        if op.type not in ("Conv2D", "DepthwiseConv2d", "FullyConnected") or not op.output_shape:
-            continue
-        w = arrays.get(op.input[1])
-        if w is None:
-            continue
-        out = int(np.prod([int(d) for d in op.output_shape[0].dims]))
-        # OHWI: per output KH*KW*I; depthwise [KH, KW, C, M]: KH*KW; FC [O, ...]: all but O
-        total += out * (int(np.prod(w.shape[:2])) if op.type == "DepthwiseConv2d" else int(np.prod(w.shape[1:])))
-    return total
-
-
 def cost(before: list, after: list, arrays, forms: list[SafeForm]) -> SafeFormCost:
     """Ops, MACs and activation bytes written per run, before the rewrites, and what they add."""
     act = sum(int(np.prod([int(d) for d in s.dims])) for op in before if op.type != "Dequantize"
               for s in op.output_shape)
-    if macs(before, arrays) != macs(after, arrays):
+    if net_macs(before, arrays) != net_macs(after, arrays):
         raise MaceqError("safe forms: the rewrite changed the number of MACs")
-    return SafeFormCost(len(before), len(after), macs(before, arrays), act, sum(f.added_bytes for f in forms))
+    return SafeFormCost(len(before), len(after), net_macs(before, arrays), act, sum(f.added_bytes for f in forms))
 
 
 def make_safe(built, device: Device, defects: dict[str, str] | None = None
