@@ -47,8 +47,7 @@ from maceq.quant.ir import Graph
 from maceq.quant.prepare import prepare_graph
 from maceq.reports.evaluate import sqnr_db
 from maceq.runtime.graph import RtOp
-from maceq.runtime.model import Model, PrepareContext, QTensor
-from maceq.runtime.profiles import get_profile
+from maceq.runtime.model import Model, QTensor
 
 DT_UINT8 = 2
 BOUNDARY_OPS = ("Quantize", "Dequantize")
@@ -249,32 +248,30 @@ def to_float_layout(q: np.ndarray, like: np.ndarray) -> np.ndarray:
 
 
 class OpRunner:
-    """:meth:`Model.run_op` with each op's prepared parameters kept per input quantization.
+    """:meth:`Model.run_op` with each op's PreparedOp kept per input quantization.
 
-    ``run_op`` prepares the kernel on every call (for a conv that rebuilds its weight plan); the
-    isolated analysis runs every layer once per image, so this keeps the ``prepare`` result per
-    (op name, input QInfos), as :meth:`Model.run` does per op. The kernel is the model's own
-    (``Model._kernel``), so the results are those of ``run_op`` (tests/test_analysis.py checks it).
+    ``run_op`` prepares the op on every call (for a conv that rebuilds its weight plan); the
+    isolated analysis runs every layer once per image, so this keeps the :meth:`Model.prepare`
+    result per (op name, input QInfos), as :meth:`Model.run` does per op. It is prepared as
+    ``run_op`` prepares it, so the results are those of ``run_op`` (tests/test_analysis.py checks it).
     """
 
     def __init__(self, model: Model, device: str):
         self.model = model
-        self.profile = get_profile(device)
-        self.ctx = PrepareContext(self.profile, model.consts, model.const_qinfo)
-        self._params: dict = {}
+        self.ctx = model.context(device)
+        self._prepared: dict = {}
 
     def __call__(self, op: RtOp, inputs: list) -> list:
         m = self.model
         ins = [t if t is not None else QTensor(m.consts[name], m.const_qinfo.get(name))
                for name, t in zip(op.inputs, list(inputs) + [None] * (len(op.inputs) - len(inputs)))]
-        kernel = m._kernel(op, self.profile)
         key = (op.name, op.type, tuple(t.qinfo for t in ins))
-        params = self._params.get(key)
-        if params is None:
-            if len(self._params) > 4096:
-                self._params.clear()
-            params = self._params[key] = kernel.prepare(op, key[2], self.ctx)
-        return kernel.run(params, ins)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            if len(self._prepared) > 4096:
+                self._prepared.clear()
+            prepared = self._prepared[key] = m.prepare(op, key[2], self.ctx)
+        return prepared.run(ins)
 
 
 def quantize_input(run_op, producer: RtOp | None, name: str, x_dev: np.ndarray) -> QTensor:

@@ -1,9 +1,10 @@
 """Load a MACE model and run it in the fixed-point simulation of a device.
 
-The evaluator is a short loop over topologically sorted ops. Each op's kernel
-is prepared once per (op, input quantization) into a frozen dataclass of
-integers, then run on numpy arrays. With ``intermediates=True`` every tensor's
-raw integer values come back with its scale and zero point.
+The evaluator is a short loop over topologically sorted ops. A :class:`Plan` holds each op
+prepared for one device (a :class:`PreparedOp`: kernel, frozen params, weight-derived plan,
+placement, float storage), once per input quantization; ``run`` feeds the inputs, runs the
+prepared ops in order and reads the outputs. With ``intermediates=True`` every tensor's raw
+values come back with its scale and zero point.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.mace.enums import DataFormat
 from maceq.mace.format import read_model
 from maceq.runtime import ops as _ops  # noqa: F401  (registers the kernels)
 from maceq.runtime import ops_dsp as _ops_dsp  # noqa: F401
@@ -21,9 +23,17 @@ from maceq.runtime import ops_gpu as _ops_gpu  # noqa: F401
 from maceq.runtime import ops_shape as _ops_shape  # noqa: F401
 from maceq.runtime import threads as _threads
 from maceq.runtime.graph import RtOp, parse_ops
-from maceq.runtime.profiles import DeviceProfile, FloatStorage, get_profile
+from maceq.runtime.kernel import Kernel, PrepareContext, PreparedOp
+from maceq.runtime.profiles import Device, DeviceProfile, get_profile
 from maceq.runtime.qtypes import QInfo, QTensor
-from maceq.runtime.registry import _REGISTRY, DType, lookup
+from maceq.runtime.registry import lookup, op_dtype, prepare_op
+
+__all__ = ["Model", "Plan", "PrepareContext", "PreparedOp", "QTensor", "RunResult", "load"]
+
+#: ``Model.run``'s backends: the numpy simulation, or the gpu device's OpenCL kernels through pyopencl
+BACKENDS = ("numpy", "opencl")
+#: A plan holds at most this many PreparedOps (it starts over when full).
+MAX_PREPARED = 4096
 
 
 @dataclass
@@ -32,11 +42,69 @@ class RunResult:
     tensors: dict[str, QTensor] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class PrepareContext:
-    profile: DeviceProfile
-    consts: dict
-    const_qinfo: dict
+class Plan:
+    """A model's ops prepared for one device and backend: a PreparedOp per op and input quantization.
+
+    Quantization flows with the data (the cpu's input Quantize finds its range on every input,
+    some nnlib ops find their output range from it), so an op is prepared when an input
+    quantization first reaches it; later runs that bring the same quantization reuse it.
+    """
+
+    def __init__(self, model: "Model", ctx: PrepareContext):
+        self.model, self.ctx = model, ctx
+        self._prepared: list[dict[tuple, PreparedOp]] = [{} for _ in model.ops]
+        self._count = 0
+
+    def inputs(self, idx: int, values: dict[str, QTensor]) -> list[QTensor]:
+        """Op ``idx``'s input tensors: from ``values``, else the model's constants."""
+        m = self.model
+        op = m.ops[idx]
+        ins = []
+        for name in op.inputs:
+            t = values.get(name)
+            if t is None:
+                if name not in m.consts:
+                    raise MaceqError(f"op '{op.name}': input '{name}' is not available")
+                t = QTensor(m.consts[name], m.const_qinfo.get(name))
+            ins.append(t)
+        return ins
+
+    def prepared(self, idx: int, ins: list[QTensor]) -> PreparedOp:
+        """Op ``idx`` prepared for the quantization of ``ins``."""
+        in_q = tuple(t.qinfo for t in ins)
+        hit = self._prepared[idx].get(in_q)
+        if hit is not None:
+            return hit
+        if self._count >= MAX_PREPARED:
+            self._prepared, self._count = [{} for _ in self._prepared], 0
+        hit = self._prepared[idx][in_q] = self.model.prepare(self.model.ops[idx], in_q, self.ctx)
+        self._count += 1
+        return hit
+
+    def step(self, idx: int, values: dict[str, QTensor]) -> tuple[PreparedOp, list[QTensor]]:
+        """Op ``idx`` prepared for its inputs in ``values``, and those inputs."""
+        ins = self.inputs(idx, values)
+        return self.prepared(idx, ins), ins
+
+    def forget(self, idx: int) -> None:
+        """Drop op ``idx``'s PreparedOps (its constants changed)."""
+        self._count -= len(self._prepared[idx])
+        self._prepared[idx] = {}
+
+
+class _Hooked:
+    """A plan whose ``before_op(index, op, inputs)`` sees each op's inputs before it runs; when the
+    hook returns True (it replaced the op's constants), the op is read and prepared again."""
+
+    def __init__(self, plan: Plan, before_op):
+        self.plan, self.before_op = plan, before_op
+
+    def step(self, idx: int, values: dict[str, QTensor]) -> tuple[PreparedOp, list[QTensor]]:
+        ins = self.plan.inputs(idx, values)
+        if self.before_op(idx, self.plan.model.ops[idx], ins):
+            self.plan.model.forget(idx)
+            ins = self.plan.inputs(idx, values)
+        return self.plan.prepared(idx, ins), ins
 
 
 class Model:
@@ -55,8 +123,10 @@ class Model:
         self.output_info = {o.name: o for o in self.net_def.output_info}
         self.deployment = loaded.deployment or {}
         self.input_formats = self._input_formats()
-        self._prepared: dict = {}
-        self._kernels: dict = {}
+        #: (device, backend) -> Plan
+        self._prepared: dict[tuple[Device, str], Plan] = {}
+        #: (device, op type, dtype) -> kernel instance
+        self._kernels: dict[tuple, Kernel] = {}
 
     def _input_formats(self) -> dict[str, str]:
         formats = {n: "NCHW" if len(self.input_info[n].dims) == 4 else "NONE" for n in self.input_names}
@@ -78,32 +148,31 @@ class Model:
             return (dims[0], dims[3], dims[1], dims[2])
         return dims
 
-    def _kernel(self, op: RtOp, profile: DeviceProfile, backend: str = "numpy"):
-        dtype = DType.from_mace(op.arg("T"))
-        if op.type in ("Quantize", "Dequantize"):
-            dtype = DType.UINT8  # their T is the quantized side
-        key = (profile.device, op.type, dtype, backend)
+    def _kernel(self, op: RtOp, device: Device) -> Kernel:
+        key = (device, op.type, op_dtype(op))
         k = self._kernels.get(key)
         if k is None:
-            k = self._kernels[key] = lookup(op.type, profile.device, dtype=dtype, op_name=op.name)()
-            if backend != "numpy" and hasattr(k, "backend"):
-                k.backend = _backend(backend)
+            k = self._kernels[key] = lookup(op.type, device, dtype=key[2], op_name=op.name)()
         return k
 
-    def _prepare(self, idx: int, op: RtOp, kernel, in_q: tuple, profile: DeviceProfile):
-        key = (profile.device, idx, in_q)
-        params = self._prepared.get(key)
-        if params is None:
-            ctx = PrepareContext(profile, self.consts, self.const_qinfo)
-            try:
-                params = kernel.prepare(op, in_q, ctx)
-            except MaceqError as e:
-                msg = str(e)
-                raise MaceqError(msg if msg.startswith(f"op '{op.name}'") else f"op '{op.name}' ({op.type}): {msg}") from None
-            if len(self._prepared) > 4096:
-                self._prepared.clear()
-            self._prepared[key] = params
-        return params
+    def context(self, device: str | Device = "cpu", backend: str = "numpy") -> PrepareContext:
+        """What the model's kernels are prepared with on ``device`` (``backend``: "numpy" or "opencl")."""
+        return PrepareContext(get_profile(device), self.consts, self.const_qinfo, _backend(backend))
+
+    def prepare(self, op: RtOp, in_q: tuple, ctx: PrepareContext) -> PreparedOp:
+        """``op`` prepared for inputs quantized as ``in_q`` (errors name the op)."""
+        try:
+            return prepare_op(self._kernel(op, ctx.profile.device), op, in_q, ctx)
+        except MaceqError as e:
+            msg = str(e)
+            if not msg.startswith(f"op '{op.name}'"):
+                msg = f"op '{op.name}' ({op.type}): {msg}"
+            raise MaceqError(msg) from None
+
+    def forget(self, idx: int) -> None:
+        """Drop op ``idx``'s PreparedOps on every device (its constants in ``consts``/``const_qinfo`` changed)."""
+        for plan in self._prepared.values():
+            plan.forget(idx)
 
     def placement(self, device: str) -> dict[str, tuple[str, str]]:
         """Op name -> (where it runs, why it fell back), from one run on a probe input.
@@ -111,22 +180,22 @@ class Model:
         On dsp, ops nnlib lacks or rejects run the cpu profile's kernels; the report counts the
         boundary transfers between the two.
         """
-        profile = get_profile(device)
-        out = {}
-        for op, kernel, params in self.probe(profile):
-            out[op.name] = _placement_of(op, kernel, params, profile.device)
-        return out
+        return {p.op.name: (p.placement.device.value, p.placement.reason)
+                for p in self.probe_ops(get_profile(device))}
 
-    def probe(self, profile: DeviceProfile) -> list[tuple]:
-        """(op, kernel, params) of every op, prepared by one run on a deterministic probe input."""
+    def probe_ops(self, profile: DeviceProfile) -> list[PreparedOp]:
+        """Every op as one run on a deterministic probe input prepared it."""
         probe = {}
         for n in self.input_names:  # a deterministic ramp: a constant input gives some kernels an empty range
             shape = (1,) + tuple(self.input_shape(n)[1:])
             probe[n] = np.linspace(-1.0, 1.0, int(np.prod(shape)), dtype=np.float32).reshape(shape)
-        self.run(probe, device=profile.device.value)
-        return [(op, self._kernel(op, profile),
-                 next((p for k, p in self._prepared.items() if k[0] is profile.device and k[1] == idx), None))
-                for idx, op in enumerate(self.ops)]
+        with _threads.section():
+            plan = self._plan(profile.device.value, "numpy")
+            return self._evaluate(plan, self._feed(probe))
+
+    def probe(self, profile: DeviceProfile) -> list[tuple]:
+        """(op, kernel, params) of every op, prepared by one run on a deterministic probe input."""
+        return [(p.op, p.kernel, p.params) for p in self.probe_ops(profile)]
 
     def deviations(self, device: str) -> dict[str, str]:
         """Op name -> how the device's result departs from the convolution the model means.
@@ -142,12 +211,10 @@ class Model:
         for op in self.ops:
             shapes.update(zip(op.outputs, op.output_shapes))
         out = {}
-        for op, kernel, params in self.probe(get_profile(device)):
-            note = getattr(kernel, "deviation", None)
-            if note is not None and params is not None:
-                why = note(params, [shapes.get(i) for i in op.inputs])
-                if why:
-                    out[op.name] = why
+        for p in self.probe_ops(get_profile(device)):
+            why = p.kernel.deviation(p.params, [shapes.get(i) for i in p.op.inputs])
+            if why:
+                out[p.op.name] = why
         return out
 
     @property
@@ -157,12 +224,9 @@ class Model:
 
     def run_op(self, op: RtOp, inputs: list, *, device: str = "cpu") -> list:
         """Run one op on given QTensors (constants are looked up): the isolated-layer analysis uses this."""
-        profile = get_profile(device)
-        kernel = self._kernel(op, profile)
         ins = [t if t is not None else QTensor(self.consts[name], self.const_qinfo.get(name))
                for name, t in zip(op.inputs, list(inputs) + [None] * (len(op.inputs) - len(inputs)))]
-        ctx = PrepareContext(profile, self.consts, self.const_qinfo)
-        return kernel.run(kernel.prepare(op, tuple(t.qinfo for t in ins), ctx), ins)
+        return self.prepare(op, tuple(t.qinfo for t in ins), self.context(device)).run(ins)
 
     def boundary_transfers(self, placement: dict[str, tuple[str, str]]) -> int:
         """Tensors that cross from one processor to the other (each consumer edge counted once)."""
@@ -183,19 +247,40 @@ class Model:
         results do not depend on it.
         """
         with _threads.section(threads):
-            return self._run(inputs, device=device, intermediates=intermediates, backend=backend,
-                             before_op=before_op)
+            plan = self._plan(device, backend)
+            values = self._feed(inputs)
+            self._evaluate(plan, values, before_op)
+        outputs = self._outputs(values)
+        return RunResult(outputs, values) if intermediates else outputs
 
-    def _run(self, inputs, *, device, intermediates, backend, before_op):
+    def _evaluate(self, plan: Plan, values: dict[str, QTensor], before_op=None) -> list[PreparedOp]:
+        """Run the ops in order on ``values`` (the fed inputs; each op's outputs are added); the PreparedOps run."""
+        steps = plan if before_op is None else _Hooked(plan, before_op)
+        ran = []
+        for idx, op in enumerate(self.ops):
+            prepared, ins = steps.step(idx, values)
+            values.update(zip(op.outputs, prepared.run_stored(ins)))
+            ran.append(prepared)
+        return ran
+
+    def _plan(self, device: str | Device, backend: str) -> Plan:
+        """The plan for ``device`` and ``backend``, checked against what the model was quantized for."""
         profile = get_profile(device)
-        if backend not in ("numpy", "opencl"):
+        if backend not in BACKENDS:
             raise MaceqError(f"unknown backend '{backend}' (choose numpy or opencl)")
-        if backend == "opencl" and profile.device.value != "gpu":
+        if backend == "opencl" and profile.device is not Device.GPU:
             raise MaceqError("--backend opencl runs the gpu device's kernels: use it with --device gpu")
         built_for = self.maceq_meta.get("device")
         if built_for and built_for != profile.device.value:
             raise MaceqError(f"this model was quantized for the {built_for} device; run it with --device {built_for} "
                              f"(or quantize again with --device {profile.device.value})")
+        plan = self._prepared.get((profile.device, backend))
+        if plan is None:
+            plan = self._prepared[(profile.device, backend)] = Plan(self, self.context(profile.device, backend))
+        return plan
+
+    def _feed(self, inputs: dict[str, np.ndarray]) -> dict[str, QTensor]:
+        """The graph inputs as float QTensors in the device layout (4-D NCHW inputs become NHWC)."""
         values: dict[str, QTensor] = {}
         for name in self.input_names:
             if name not in inputs:
@@ -211,67 +296,34 @@ class Model:
         for name in inputs:
             if name not in self.input_info:
                 raise MaceqError(f"unknown input '{name}' (model inputs: {', '.join(self.input_names)})")
-        for idx, op in enumerate(self.ops):
-            kernel = self._kernel(op, profile, backend)
-            ins = []
-            for i in op.inputs:
-                if i in values:
-                    ins.append(values[i])
-                elif i in self.consts:
-                    ins.append(QTensor(self.consts[i], self.const_qinfo.get(i)))
-                else:
-                    raise MaceqError(f"op '{op.name}': input '{i}' is not available")
-            if before_op is not None and before_op(idx, op, ins):
-                ins = [QTensor(self.consts[i], self.const_qinfo.get(i)) if i in self.consts and i not in values
-                       else t for i, t in zip(op.inputs, ins)]
-                self._prepared = {k: v for k, v in self._prepared.items() if k[1] != idx}
-            in_q = tuple(t.qinfo for t in ins)
-            params = self._prepare(idx, op, kernel, in_q, profile)
-            half = profile.float_storage is FloatStorage.FLOAT16 and kernel.dtype is DType.FLOAT
-            if half and not getattr(kernel, "half_storage", False):
-                # fp16_fp32 mode: float ops compute in float32 from half-stored inputs ...
-                ins = [QTensor(t.values.astype(np.float32), t.qinfo) if t.values.dtype == np.float16 else t
-                       for t in ins]
-            outs = kernel.run(params, ins)
-            if half:
-                # ... and store half
-                outs = [QTensor(t.values.astype(np.float16), None) if t.qinfo is None and
-                        np.issubdtype(t.values.dtype, np.floating) else t for t in outs]
-            for name, t in zip(op.outputs, outs):
-                values[name] = t
+        return values
+
+    def _outputs(self, values: dict[str, QTensor]) -> dict[str, np.ndarray]:
+        """The graph outputs as float32 arrays in the caller's layout (4-D NHWC outputs become NCHW)."""
         outputs = {}
         for name in self.output_names:
             t = values[name]
             y = t.values.astype(np.float32) if t.qinfo is None else t.dequantize()
             info = self.output_info[name]
-            rank = len(info.dims)
-            if rank == 4:
-                if y.ndim == 4 and info.data_format == 1:
+            if len(info.dims) == 4:
+                if y.ndim == 4 and info.data_format == DataFormat.NHWC:
                     y = y.transpose(0, 3, 1, 2)  # device NHWC -> caller NCHW
             else:
                 y = y.reshape((y.shape[0],) + tuple(int(d) for d in info.dims[1:]))
             outputs[name] = np.ascontiguousarray(y, dtype=np.float32)
-        if intermediates:
-            return RunResult(outputs, values)
         return outputs
 
 
 _BACKENDS: dict = {}
 
 
-def _placement_of(op: RtOp, kernel, params, device) -> tuple[str, str]:
-    """Where an op runs on ``device``: its own kernel, or the cpu profile's (fallback) with the reason."""
-    if device.value == "cpu":
-        return "cpu", ""
-    if getattr(params, "on_dsp", True) is False:
-        return "cpu", getattr(params, "reason", "")
-    if (op.type, kernel.dtype, device) in _REGISTRY or kernel.dtype.value == "float" and device.value == "gpu":
-        return device.value, ""
-    return "cpu", f"no {device.value} kernel for {op.type}"
-
-
 def _backend(name: str):
-    """The shared OpenCL backend (created on first use: context and programs are built once)."""
+    """The gpu kernels' backend: None for the numpy simulation, else the shared OpenCL backend
+    (created on first use: context and programs are built once)."""
+    if name not in BACKENDS:
+        raise MaceqError(f"unknown backend '{name}' (choose numpy or opencl)")
+    if name == "numpy":
+        return None
     if name not in _BACKENDS:
         from maceq.runtime.opencl.backend import OpenCLBackend
 

@@ -1,9 +1,10 @@
 """One small kernel class per MACE op, registered by (op_type, device).
 
 ``prepare(op, in_q, ctx)`` turns the op's arguments and its inputs' quantization
-into a frozen dataclass of integers (computed once per model and input
-quantization); ``run(params, inputs)`` applies the integer kernel from
-``maceq.runtime.kernels``. Each rule a kernel follows comes from
+into a frozen dataclass (float32 values as ``np.float32``, rules as enums),
+computed once per model and input quantization; the conv kernels' ``plan`` builds
+their weight-derived data once; ``run(prepared, inputs)`` applies the integer
+kernel from ``maceq.runtime.kernels``. Each rule a kernel follows comes from
 ``ctx.profile`` (see docs/semantics.md), never from the device's name.
 """
 from __future__ import annotations
@@ -13,8 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.mace.enums import EltwiseType, PoolingType, ReduceType
 from maceq.runtime import fixedpoint as fp
 from maceq.runtime.graph import RtOp
+from maceq.runtime.kernel import Kernel
 from maceq.runtime.kernels import concat as k_concat
 from maceq.runtime.kernels import conv as k_conv
 from maceq.runtime.kernels import dw3x3_arm as k_dw3
@@ -26,17 +29,6 @@ from maceq.runtime.kernels import softmax as k_softmax
 from maceq.runtime.profiles import InputQuantize, MultiplierRule, Requant
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import register
-
-
-def f32_bits(x) -> int:
-    """A float32 value carried as its int32 bit pattern (params hold integers only)."""
-    return int(np.float32(x).view(np.int32))
-
-
-def bits_f32(b: int) -> np.float32:
-    """The float32 value of an int32 bit pattern (the inverse of :func:`f32_bits`)."""
-    return np.int32(b).view(np.float32)
-
 
 
 def op_pads(op: RtOp) -> tuple[int, int, int, int]:
@@ -66,10 +58,12 @@ class ConvParams:
     x_zp: int
     w_zp: int
     out_zp: int
+    #: GEMMLOWP requantization: the quantized multiplier and its shift (TFLite convention)
     multiplier: int
     shift: int
-    multiplier_f32_bits: int
-    requant: str
+    #: the float requantization rules: f32(f32(s_in * s_w) / s_out)
+    float_multiplier: np.float32
+    requant: Requant
     strides: tuple[int, int]
     pads: tuple[int, int, int, int]
     dilations: tuple[int, int]
@@ -78,37 +72,24 @@ class ConvParams:
     act_max: int
     weights: str
     bias: tuple[int, ...] | None
-    out_scale_bits: int
+    out_scale: np.float32
     #: uint8 depthwise on MACE's ARM CPU: the TFLite 3x3 fast path runs where it is supported.
     fast3x3: bool = False
 
     @property
     def out_q(self) -> QInfo:
-        return QInfo(float(bits_f32(self.out_scale_bits)), self.out_zp)
+        return QInfo(float(self.out_scale), self.out_zp)
 
 
-class _ConvBase:
-    def __init__(self):
-        # Weight-derived data (the kernel plans of runtime/kernels/conv.py: offset and folded
-        # float64 weights), built once at prepare time. Keyed by (weight tensor name, params);
-        # a kernel instance serves one model on one device (Model._kernels), so that is the
-        # device too. An entry is used only for the very same params and weight array objects.
-        self._plans: dict = {}
+@dataclass(frozen=True)
+class WeightPlan:
+    """A kernel plan of runtime/kernels/conv.py built from one weight array; it runs on that array only."""
 
-    def _plan(self, p: ConvParams, w: np.ndarray):
-        key = (p.weights, id(p))
-        hit = self._plans.get(key)
-        if hit is not None and hit[0] is p and hit[1] is w:
-            return hit[2]
-        if len(self._plans) > 4096:
-            self._plans.clear()
-        plan = self._make_plan(p, w)
-        self._plans[key] = (p, w, plan)
-        return plan
+    weights: np.ndarray
+    kernel: object
 
-    def _make_plan(self, p: ConvParams, w: np.ndarray):
-        raise NotImplementedError
 
+class _ConvBase(Kernel):
     def requant_rule(self, op: RtOp, prof) -> Requant:
         return prof.conv_requant
 
@@ -133,21 +114,30 @@ class _ConvBase:
         requant = self.requant_rule(op, prof)
         if requant is Requant.GEMMLOWP:
             mult, shift = _multiplier(prof, xq.scale, wq.scale, out_q.scale)
-            mbits = 0
+            fmult = np.float32(0.0)
         else:
             mult, shift = 0, 0
-            mbits = f32_bits(fp.mace_float_multiplier(xq.scale, wq.scale, out_q.scale))
+            fmult = np.float32(fp.mace_float_multiplier(xq.scale, wq.scale, out_q.scale))
         act_min, act_max = 0, 255
         if prof.honours_activation_args:
             raise MaceqError(f"op '{op.name}': activation args are not implemented for this profile")
-        params = ConvParams(xq.zero_point, wq.zero_point, out_q.zero_point, mult, shift, mbits, requant.value,
-                            tuple(op.arg("strides", [1, 1])), op_pads(op), tuple(op.arg("dilations", [1, 1])),
-                            int(op.arg("group", 1)), act_min, act_max, op.inputs[1], bias,
-                            f32_bits(out_q.scale), self.fast3x3(prof, requant))
+        return ConvParams(xq.zero_point, wq.zero_point, out_q.zero_point, mult, shift, fmult, requant,
+                          tuple(op.arg("strides", [1, 1])), op_pads(op), tuple(op.arg("dilations", [1, 1])),
+                          int(op.arg("group", 1)), act_min, act_max, op.inputs[1], bias,
+                          np.float32(out_q.scale), self.fast3x3(prof, requant))
+
+    def plan(self, op: RtOp, params: ConvParams, ctx) -> WeightPlan | None:
+        """The kernel plan for the op's constant weights (offset and folded float64 weights), built once."""
         w = ctx.consts.get(op.inputs[1])
-        if w is not None:
-            self._plan(params, w)
-        return params
+        return None if w is None else WeightPlan(w, self._make_plan(params, w))
+
+    def _make_plan(self, p: ConvParams, w: np.ndarray):
+        raise NotImplementedError
+
+    def _plan_for(self, prepared, w: np.ndarray):
+        """The prepared plan when ``w`` is the array it was built from, else one built now."""
+        plan = prepared.plan
+        return plan.kernel if plan is not None and plan.weights is w else self._make_plan(prepared.params, w)
 
     @staticmethod
     def _bias(p: ConvParams):
@@ -161,9 +151,9 @@ class Conv2D(_ConvBase):
                                   multiplier=p.multiplier, shift=p.shift, strides=p.strides, pads=p.pads,
                                   dilations=p.dilations, group=p.group, act_min=p.act_min, act_max=p.act_max)
 
-    def run(self, p: ConvParams, inputs):
-        y = self._plan(p, inputs[1].values)(inputs[0].values)
-        return [QTensor(y, p.out_q)]
+    def run(self, prepared, inputs):
+        y = self._plan_for(prepared, inputs[1].values)(inputs[0].values)
+        return [QTensor(y, prepared.params.out_q)]
 
 
 @register("DepthwiseConv2d")
@@ -177,11 +167,10 @@ class DepthwiseConv2d(_ConvBase):
         return prof.depthwise_3x3_fast_path and requant is Requant.GEMMLOWP
 
     def _make_plan(self, p: ConvParams, w):
-        if p.requant == Requant.GEMMLOWP.value:
+        if p.requant is Requant.GEMMLOWP:
             fixed = dict(multiplier=p.multiplier, shift=p.shift)
         else:
-            fixed = dict(float_multiplier=bits_f32(p.multiplier_f32_bits),
-                         float_rounding=_FLOAT_ROUNDING[Requant(p.requant)])
+            fixed = dict(float_multiplier=p.float_multiplier, float_rounding=_FLOAT_ROUNDING[p.requant])
         plan = k_conv.depthwise_conv2d_plan(w, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
                                             strides=p.strides, pads=p.pads, dilations=p.dilations,
                                             act_min=p.act_min, act_max=p.act_max, **fixed)
@@ -214,9 +203,10 @@ class DepthwiseConv2d(_ConvBase):
         s = self.fast3x3_shape(p, in_shapes[1], in_shapes[0])
         return None if s is None else k_dw3.border_defect(s)
 
-    def run(self, p: ConvParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x, w = inputs[0].values, inputs[1].values
-        plan, edges = self._plan(p, w)
+        plan, edges = self._plan_for(prepared, w)
         y = plan(x)
         if edges is not None:
             s = self.fast3x3_shape(p, w.shape, x.shape)
@@ -237,82 +227,91 @@ class FullyConnected(_ConvBase):
 
     def _make_plan(self, p: ConvParams, w):
         w2 = w.reshape(w.shape[0], -1)
-        if p.requant != Requant.GEMMLOWP.value:
+        if p.requant is not Requant.GEMMLOWP:
             return k_conv.fully_connected_plan(w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
-                                               multiplier=bits_f32(p.multiplier_f32_bits), act_min=p.act_min,
-                                               act_max=p.act_max, rounding=_FLOAT_ROUNDING[Requant(p.requant)])
+                                               multiplier=p.float_multiplier, act_min=p.act_min,
+                                               act_max=p.act_max, rounding=_FLOAT_ROUNDING[p.requant])
         return k_conv.fully_connected_fixed_plan(w2, self._bias(p), x_zp=p.x_zp, w_zp=p.w_zp, out_zp=p.out_zp,
                                                  multiplier=p.multiplier, shift=p.shift, act_min=p.act_min,
                                                  act_max=p.act_max)
 
-    def run(self, p: ConvParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x, w = inputs[0].values, inputs[1].values
         n = x.shape[0]
         x2 = x.reshape(n, -1)
         k = int(np.prod(w.shape[1:]))
         if x2.shape[1] != k:
             raise MaceqError(f"FullyConnected '{p.weights}': input has {x2.shape[1]} features, weights {k}")
-        y = self._plan(p, w)(x2)
+        y = self._plan_for(prepared, w)(x2)
         return [QTensor(y.reshape(n, 1, 1, -1), p.out_q)]
 
 
 @dataclass(frozen=True)
 class EltwiseParams:
     subtract: bool
-    a_scale_bits: int
+    a_scale: np.float32
     a_zp: int
-    b_scale_bits: int
+    b_scale: np.float32
     b_zp: int
-    out_scale_bits: int
+    out_scale: np.float32
     out_zp: int
 
 
 @register("Eltwise")
-class Eltwise:
+class Eltwise(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> EltwiseParams:
-        kind = int(op.arg("type", 0))
-        if kind not in (0, 1):
+        kind = int(op.arg("type", EltwiseType.SUM))
+        if kind not in (EltwiseType.SUM, EltwiseType.SUB):
             raise MaceqError(f"op '{op.name}': uint8 Eltwise supports SUM (0) and SUB (1) only, got type {kind}")
         if len(op.inputs) != 2:
             raise MaceqError(f"op '{op.name}': uint8 Eltwise needs two tensor inputs")
         a = _require_q(op, in_q[0], "input 0")
         b = _require_q(op, in_q[1], "input 1")
         o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
-        return EltwiseParams(kind == 1, f32_bits(a.scale), a.zero_point, f32_bits(b.scale), b.zero_point,
-                             f32_bits(o.scale), o.zero_point)
+        return EltwiseParams(kind == EltwiseType.SUB, np.float32(a.scale), a.zero_point, np.float32(b.scale),
+                             b.zero_point, np.float32(o.scale), o.zero_point)
 
-    def run(self, p: EltwiseParams, inputs):
-        y = k_eltwise.eltwise_add(inputs[0].values, inputs[1].values, a_scale=float(bits_f32(p.a_scale_bits)),
-                                  a_zp=p.a_zp, b_scale=float(bits_f32(p.b_scale_bits)), b_zp=p.b_zp,
-                                  out_scale=float(bits_f32(p.out_scale_bits)), out_zp=p.out_zp, subtract=p.subtract)
-        return [QTensor(y, QInfo(float(bits_f32(p.out_scale_bits)), p.out_zp))]
+    def run(self, prepared, inputs):
+        p = prepared.params
+        y = k_eltwise.eltwise_add(inputs[0].values, inputs[1].values, a_scale=float(p.a_scale), a_zp=p.a_zp,
+                                  b_scale=float(p.b_scale), b_zp=p.b_zp, out_scale=float(p.out_scale),
+                                  out_zp=p.out_zp, subtract=p.subtract)
+        return [QTensor(y, QInfo(float(p.out_scale), p.out_zp))]
 
 
 @dataclass(frozen=True)
 class PoolParams:
-    kind: int
+    kind: PoolingType
     kernel: tuple[int, int]
     strides: tuple[int, int]
     pads: tuple[int, int, int, int]
-    out_scale_bits: int
+    out_scale: np.float32
     out_zp: int
 
 
+def pooling_type(op: RtOp) -> PoolingType:
+    """The op's ``pooling_type`` argument (required), or MaceqError."""
+    kind = int(op.require("pooling_type"))
+    if kind not in tuple(PoolingType):
+        raise MaceqError(f"op '{op.name}': unknown pooling_type {kind}")
+    return PoolingType(kind)
+
+
 @register("Pooling")
-class Pooling:
+class Pooling(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> PoolParams:
         q = _require_q(op, in_q[0], "input")
-        kind = int(op.require("pooling_type"))
-        if kind not in (1, 2):
-            raise MaceqError(f"op '{op.name}': unknown pooling_type {kind}")
+        kind = pooling_type(op)
         if any(d != 1 for d in op.arg("dilations", [1, 1])):
             raise MaceqError(f"op '{op.name}': dilated pooling is not supported")
         return PoolParams(kind, tuple(op.require("kernels")), tuple(op.arg("strides", [1, 1])), op_pads(op),
-                          f32_bits(q.scale), q.zero_point)
+                          np.float32(q.scale), q.zero_point)
 
-    def run(self, p: PoolParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x = inputs[0].values
-        if p.kind == 2:
+        if p.kind is PoolingType.MAX:
             y = k_pool.max_pool(x, kernel=p.kernel, strides=p.strides, pads=p.pads)
         else:
             y = k_pool.avg_pool(x, kernel=p.kernel, strides=p.strides, pads=p.pads)
@@ -323,23 +322,24 @@ class Pooling:
 class ReduceParams:
     axes: tuple[int, ...]
     keepdims: bool
-    in_scale_bits: int
+    in_scale: np.float32
     in_zp: int
-    out_scale_bits: int
+    out_scale: np.float32
     out_zp: int
 
 
 @register("Reduce")
-class Reduce:
+class Reduce(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> ReduceParams:
-        if int(op.arg("reduce_type", 0)) != 0:
+        if int(op.arg("reduce_type", ReduceType.MEAN)) != ReduceType.MEAN:
             raise MaceqError(f"op '{op.name}': uint8 Reduce supports MEAN (reduce_type 0) only")
         q = _require_q(op, in_q[0], "input")
         o = op.out_qinfo[0] if op.out_qinfo else q
-        return ReduceParams(tuple(op.arg("axis", [1, 2])), bool(op.arg("keepdims", 1)), f32_bits(q.scale),
-                            q.zero_point, f32_bits(o.scale), o.zero_point)
+        return ReduceParams(tuple(op.arg("axis", [1, 2])), bool(op.arg("keepdims", 1)), np.float32(q.scale),
+                            q.zero_point, np.float32(o.scale), o.zero_point)
 
-    def run(self, p: ReduceParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         y = k_reduce.reduce_mean(inputs[0].values, axes=p.axes, keepdims=p.keepdims)
         # reduce.cc: output->SetScale(input->scale()) -- the stored output info is not used.
         return [QTensor(y, inputs[0].qinfo)]
@@ -348,23 +348,24 @@ class Reduce:
 @dataclass(frozen=True)
 class ConcatParams:
     axis: int
-    in_scale_bits: tuple[int, ...]
+    in_scales: tuple[np.float32, ...]
     in_zps: tuple[int, ...]
-    out_scale_bits: int
+    out_scale: np.float32
     out_zp: int
 
 
 @register("Concat")
-class Concat:
+class Concat(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> ConcatParams:
         qs = [_require_q(op, q, f"input {k}") for k, q in enumerate(in_q)]
         o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
-        return ConcatParams(int(op.arg("axis", 3)), tuple(f32_bits(q.scale) for q in qs),
-                            tuple(q.zero_point for q in qs), f32_bits(o.scale), o.zero_point)
+        return ConcatParams(int(op.arg("axis", 3)), tuple(np.float32(q.scale) for q in qs),
+                            tuple(q.zero_point for q in qs), np.float32(o.scale), o.zero_point)
 
-    def run(self, p: ConcatParams, inputs):
-        in_q = [QInfo(float(bits_f32(s)), z) for s, z in zip(p.in_scale_bits, p.in_zps)]
-        out_scale = float(bits_f32(p.out_scale_bits))
+    def run(self, prepared, inputs):
+        p = prepared.params
+        in_q = [QInfo(float(s), z) for s, z in zip(p.in_scales, p.in_zps)]
+        out_scale = float(p.out_scale)
         y = k_concat.concat([t.values for t in inputs], axis=p.axis, in_qinfos=in_q, out_scale=out_scale,
                             out_zp=p.out_zp)
         return [QTensor(y, QInfo(out_scale, p.out_zp))]
@@ -372,22 +373,21 @@ class Concat:
 
 @dataclass(frozen=True)
 class SoftmaxParams:
-    in_scale_bits: int
+    in_scale: np.float32
     in_zp: int
-    out_scale_bits: int
+    out_scale: np.float32
     out_zp: int
 
 
 @register("Softmax")
-class Softmax:
+class Softmax(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> SoftmaxParams:
         q = _require_q(op, in_q[0], "input")
         o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
-        return SoftmaxParams(f32_bits(q.scale), q.zero_point, f32_bits(o.scale), o.zero_point)
+        return SoftmaxParams(np.float32(q.scale), q.zero_point, np.float32(o.scale), o.zero_point)
 
-    def run(self, p: SoftmaxParams, inputs):
-        x = inputs[0].values
-        y = k_softmax.softmax(x, in_scale=float(bits_f32(p.in_scale_bits)))
+    def run(self, prepared, inputs):
+        y = k_softmax.softmax(inputs[0].values, in_scale=float(prepared.params.in_scale))
         # softmax.cc sets the output's scale/zero point itself (1/255, 0), whatever the model stored.
         return [QTensor(y, QInfo(float(np.float32(k_softmax.OUT_SCALE)), int(k_softmax.OUT_ZP)))]
 
@@ -395,29 +395,30 @@ class Softmax:
 @dataclass(frozen=True)
 class QuantizeParams:
     find_range: bool
-    scale_bits: int
+    scale: np.float32
     zero_point: int
-    rule: str
+    rule: InputQuantize
 
 
 @register("Quantize")
-class Quantize:
+class Quantize(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> QuantizeParams:
         o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
         prof = ctx.profile
         # quantize.cc: the range is recomputed when find_range_every_time is set or no scale is stored.
         find = (bool(op.arg("find_range_every_time", 0)) and prof.find_range_every_time) or o.scale == 0.0
-        return QuantizeParams(find, f32_bits(o.scale), o.zero_point, prof.input_quantize.value)
+        return QuantizeParams(find, np.float32(o.scale), o.zero_point, prof.input_quantize)
 
-    def run(self, p: QuantizeParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x = np.asarray(inputs[0].values, dtype=np.float32)
-        if p.rule != InputQuantize.NEON_TRUNC.value:
-            raise MaceqError(f"input quantize rule {p.rule} is not implemented")
+        if p.rule is not InputQuantize.NEON_TRUNC:
+            raise MaceqError(f"input quantize rule {p.rule.value} is not implemented")
         if p.find_range:
             lo, hi = k_quant.find_range(x)
             scale, zp = k_quant.adjust_range(lo, hi, non_zero=False)
         else:
-            scale, zp = float(bits_f32(p.scale_bits)), p.zero_point
+            scale, zp = float(p.scale), p.zero_point
         y = k_quant.quantize_neon(x, scale=scale, zero_point=zp)
         return [QTensor(y, QInfo(float(np.float32(scale)), int(zp)))]
 
@@ -429,7 +430,7 @@ class PadParams:
 
 
 @register("Pad")
-class Pad:
+class Pad(Kernel):
     """uint8 Pad (mace/ops/pad.cc, ``PadOp<RT_CPU, uint8_t>``): NHWC paddings, CONSTANT mode.
 
     The fill code is ``Quantize<uint8_t>(constant_value, scale, zp)`` =
@@ -447,7 +448,8 @@ class Pad:
         code = fp.round_half_away(np.float32(np.float32(v / np.float32(q.scale)) + np.float32(q.zero_point)))
         return PadParams(pads, int(np.clip(code, 0, 255)))
 
-    def run(self, p: PadParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x = inputs[0].values
         if x.ndim != 4:
             raise MaceqError(f"uint8 Pad: input must be 4-D NHWC, got shape {x.shape}")
@@ -462,12 +464,12 @@ class DequantizeParams:
 
 
 @register("Dequantize")
-class Dequantize:
+class Dequantize(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> DequantizeParams:
         _require_q(op, in_q[0], "input")
         return DequantizeParams()
 
-    def run(self, p: DequantizeParams, inputs):
+    def run(self, prepared, inputs):
         t = inputs[0]
         y = k_quant.dequantize(t.values, scale=t.qinfo.scale, zero_point=t.qinfo.zero_point)
         return [QTensor(y, None)]

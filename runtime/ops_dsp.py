@@ -8,9 +8,9 @@ Dequantize -> DequantizeOUTPUT_8tof. Tensors carry float
 min/max ranges (the QInfo's minval/maxval), as nnlib passes them between ops.
 
 Ops nnlib lacks (no override here: Softmax, ResizeBilinear, ...) and configurations it rejects
-(``supports_conv``: dilation > 1, pads no padding mode expresses, depthwise filters it cannot run;
-Concat off the depth axis with a 1x1 output; FullyConnected with an input depth below 32 or not a
-multiple of 16) run the cpu profile's kernel instead; :func:`placement` reports which.
+(each kernel's ``rejects``: dilation > 1, pads no padding mode expresses, depthwise filters it
+cannot run; Concat off the depth axis with a 1x1 output; FullyConnected with an input depth below
+32 or not a multiple of 16) run the default (cpu) kernel instead; ``Model.placement`` reports which.
 The scale/zero point of a dsp tensor are nnlib's (level size, code of 0.0) for its range, so a
 cpu kernel reads the same real values from it.
 """
@@ -21,17 +21,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from maceq.errors import MaceqError
-from maceq.runtime import ops as cpu_ops
-from maceq.runtime.ops import bits_f32, f32_bits, op_pads
+from maceq.mace.enums import EltwiseType, PoolingType, ReduceType
 from maceq.runtime.graph import RtOp
+from maceq.runtime.kernel import Kernel
 from maceq.runtime.kernels import dsp as K
 from maceq.runtime.kernels import nnlib_ref as R
+from maceq.runtime.ops import op_pads, pooling_type
 from maceq.runtime.profiles import Device
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import register
 
 DSP = Device.DSP
-
 
 
 def rng(q: QInfo) -> tuple[float, float]:
@@ -46,27 +46,36 @@ def qinfo_of_range(mn: float, mx: float) -> QInfo:
     return QInfo(float(level), int(zero), float(mn), float(mx))
 
 
+def _f32_range(q: QInfo) -> tuple[np.float32, np.float32]:
+    """A tensor's float range (:func:`rng`) as the float32 values nnlib's ops take."""
+    lo, hi = rng(q)
+    return np.float32(lo), np.float32(hi)
+
+
+def _padding(op: RtOp) -> R.Padding | None:
+    """The nnlib padding of the op's MACE ``padding`` argument; None where the sizes decide (explicit pads)."""
+    arg = op.arg("padding")
+    return None if arg is None else K.nnlib_padding(arg)
+
+
 @dataclass(frozen=True)
 class DspConvParams:
-    on_dsp: bool
-    reason: str
     strides: tuple[int, int]
-    padding: int  # nnlib Padding (unused for conv: the mode is found at run time from the input size)
-    out_range_bits: tuple[int, int]  # float32 bits of the stored output min/max
-    cpu: object = None  # the cpu kernel's params when the op falls back
+    out_range: tuple[np.float32, np.float32]  # the stored output min/max
     variant: K.SupernodeVariant = K.SupernodeVariant.D32  # the profile's supernode_variant
     kernel: tuple[int, int] = (1, 1)
     pads: tuple[int, int, int, int] = (0, 0, 0, 0)  # (top, left, bottom, right) from padding_values
-    padding_arg: int | None = None  # a MACE ``padding`` argument (TensorFlow models)
+    padding: R.Padding | None = None  # from a MACE ``padding`` argument (TensorFlow models)
 
 
 def conv_padding(p, in_hw) -> R.Padding:
     """The nnlib padding mode of a conv / pooling op on an input of size ``in_hw`` (MACE's converter rule)."""
+    if p.padding is not None:
+        return p.padding
     t, l, b, r = p.pads
     out_hw = tuple((n + lo + hi - k) // s + 1 for n, lo, hi, k, s in
                    zip(in_hw, (t, l), (b, r), p.kernel, p.strides))
-    return K.mace_padding_mode(in_hw=in_hw, out_hw=out_hw, kernel=p.kernel, strides=p.strides,
-                               padding_arg=p.padding_arg)
+    return K.mace_padding_mode(in_hw=in_hw, out_hw=out_hw, kernel=p.kernel, strides=p.strides)
 
 
 def _bias(inputs, n_out: int):
@@ -77,70 +86,46 @@ def _bias(inputs, n_out: int):
     return np.zeros(n_out, np.int32), 0.0, 0.0
 
 
-
-
-class _Fallback:
-    """Runs the cpu profile's kernel for configurations nnlib rejects."""
-
-    cpu_kernel: type
-
-    @property
-    def _cpu(self):
-        k = self.__dict__.get("_cpu_instance")
-        if k is None:  # one cpu kernel per dsp kernel: its plans are built once
-            k = self.__dict__["_cpu_instance"] = self.cpu_kernel()
-        return k
-
-    def _fallback(self, op, in_q, ctx, reason):
-        return DspConvParams(False, reason, (1, 1), 0, (0, 0), self._cpu.prepare(op, in_q, ctx))
-
-    def _run_cpu(self, p, inputs):
-        return self._cpu.run(p.cpu, inputs)
-
-    def deviation(self, p, in_shapes) -> str | None:
-        """The cpu kernel's deviation note when the op falls back to it (see ops.DepthwiseConv2d)."""
-        note = getattr(self._cpu, "deviation", None)
-        if p.on_dsp or note is None:
-            return None
-        return note(p.cpu, in_shapes)
-
-
-class _DspConv(_Fallback):
+class _DspConv(Kernel):
     depthwise = False
 
-    def prepare(self, op: RtOp, in_q, ctx) -> DspConvParams:
+    def _kernel_hw(self, op: RtOp, ctx) -> tuple[int, int]:
         w = ctx.consts[op.inputs[1]]
-        kernel = (w.shape[0], w.shape[1]) if self.depthwise else (w.shape[1], w.shape[2])
-        strides = tuple(int(v) for v in op.arg("strides", [1, 1]))
+        return (w.shape[0], w.shape[1]) if self.depthwise else (w.shape[1], w.shape[2])
+
+    def rejects(self, op: RtOp, in_q, ctx) -> str:
+        w = ctx.consts[op.inputs[1]]
         # the padding mode depends on the input size (MACE's converter rule): found at run time
-        ok, why = K.supports_conv(strides=strides, dilations=op.arg("dilations", [1, 1]), pads="VALID",
-                                  kernel=kernel, depthwise=self.depthwise,
+        ok, why = K.supports_conv(strides=tuple(int(v) for v in op.arg("strides", [1, 1])),
+                                  dilations=op.arg("dilations", [1, 1]), pads=R.Padding.VALID,
+                                  kernel=self._kernel_hw(op, ctx), depthwise=self.depthwise,
                                   depth_multiplier=w.shape[3] if self.depthwise else 1)
         if not ok:
-            return self._fallback(op, in_q, ctx, why)
-        lo, hi = rng(op.out_qinfo[0])
-        p = DspConvParams(True, "", strides, 0, (f32_bits(lo), f32_bits(hi)),
-                          variant=ctx.profile.supernode_variant or K.SupernodeVariant.D32, kernel=tuple(kernel), pads=op_pads(op),
-                          padding_arg=op.arg("padding"))
-        if op.output_shapes:  # the smallest input giving this output: MACE's converter must find a mode
-            t, l, b, r = p.pads
-            in_hw = tuple((o - 1) * s + k - lo_ - hi_ for o, s, k, lo_, hi_ in
-                          zip(op.output_shapes[0][1:3], strides, kernel, (t, l), (b, r)))
-            try:
+            return why
+        try:
+            p = self.prepare(op, in_q, ctx)
+            if op.output_shapes:  # the smallest input giving this output: MACE's converter must find a mode
+                t, l, b, r = p.pads
+                in_hw = tuple((o - 1) * s + k - lo_ - hi_ for o, s, k, lo_, hi_ in
+                              zip(op.output_shapes[0][1:3], p.strides, p.kernel, (t, l), (b, r)))
                 conv_padding(p, in_hw)
-            except MaceqError as e:
-                return self._fallback(op, in_q, ctx, str(e))
-        return p
+        except MaceqError as e:
+            return str(e)
+        return ""
 
-    def run(self, p: DspConvParams, inputs):
-        if not p.on_dsp:
-            return self._run_cpu(p, inputs)
+    def prepare(self, op: RtOp, in_q, ctx) -> DspConvParams:
+        return DspConvParams(tuple(int(v) for v in op.arg("strides", [1, 1])), _f32_range(op.out_qinfo[0]),
+                             ctx.profile.supernode_variant or K.SupernodeVariant.D32, tuple(self._kernel_hw(op, ctx)),
+                             op_pads(op), _padding(op))
+
+    def run(self, prepared, inputs):
+        p = prepared.params
         x, w = inputs[:2]
         x_lo, x_hi = rng(x.qinfo)
         w_lo, w_hi = rng(w.qinfo)
         n_out = w.values.shape[2] if self.depthwise else w.values.shape[0]
         b, b_lo, b_hi = _bias(inputs, n_out)
-        out_lo, out_hi = (bits_f32(v) for v in p.out_range_bits)
+        out_lo, out_hi = p.out_range
         kw = dict(x_min=x_lo, x_max=x_hi, w_min=w_lo, w_max=w_hi, bias_min=b_lo, bias_max=b_hi, out_min=out_lo,
                   out_max=out_hi, strides=p.strides, padding=conv_padding(p, x.values.shape[1:3]))
         if self.depthwise:
@@ -152,36 +137,36 @@ class _DspConv(_Fallback):
 
 @register("Conv2D", device=DSP)
 class DspConv2D(_DspConv):
-    cpu_kernel = cpu_ops.Conv2D
+    pass
 
 
 @register("DepthwiseConv2d", device=DSP)
 class DspDepthwiseConv2d(_DspConv):
-    cpu_kernel = cpu_ops.DepthwiseConv2d
     depthwise = True
 
 
-@register("FullyConnected", device=DSP)
-class DspFullyConnected(_Fallback):
-    cpu_kernel = cpu_ops.FullyConnected
+@dataclass(frozen=True)
+class DspFcParams:
+    out_range: tuple[np.float32, np.float32]  # the stored output min/max
 
-    def prepare(self, op: RtOp, in_q, ctx) -> DspConvParams:
+
+@register("FullyConnected", device=DSP)
+class DspFullyConnected(Kernel):
+    def rejects(self, op: RtOp, in_q, ctx) -> str:
         w = ctx.consts[op.inputs[1]]
         ok, why = R.superfc_supported(int(np.prod(w.shape[1:])))  # SuperFC_8x8p32to8 runs superfc_execute_hvx
-        if not ok:
-            return self._fallback(op, in_q, ctx, f"SuperFC: {why}")
-        lo, hi = rng(op.out_qinfo[0])
-        return DspConvParams(True, "", (1, 1), 0, (f32_bits(lo), f32_bits(hi)))
+        return "" if ok else f"SuperFC: {why}"
 
-    def run(self, p: DspConvParams, inputs):
-        if not p.on_dsp:
-            return self._run_cpu(p, inputs)
+    def prepare(self, op: RtOp, in_q, ctx) -> DspFcParams:
+        return DspFcParams(_f32_range(op.out_qinfo[0]))
+
+    def run(self, prepared, inputs):
         x, w = inputs[:2]
         n = x.values.shape[0]
         x_lo, x_hi = rng(x.qinfo)
         w_lo, w_hi = rng(w.qinfo)
         b, b_lo, b_hi = _bias(inputs, w.values.shape[0])
-        out_lo, out_hi = (bits_f32(v) for v in p.out_range_bits)
+        out_lo, out_hi = prepared.params.out_range
         y, mn, mx = K.superfc(x.values.reshape(n, -1), K.fc_weight_to_dsp(w.values), b, x_min=x_lo, x_max=x_hi,
                               w_min=w_lo, w_max=w_hi, bias_min=b_lo, bias_max=b_hi, out_min=out_lo, out_max=out_hi)
         return [QTensor(y.reshape(n, 1, 1, -1), qinfo_of_range(mn, mx))]
@@ -190,22 +175,22 @@ class DspFullyConnected(_Fallback):
 @dataclass(frozen=True)
 class DspEltwiseParams:
     subtract: bool
-    out_range_bits: tuple[int, int]
+    out_range: tuple[np.float32, np.float32]
 
 
 @register("Eltwise", device=DSP)
-class DspEltwise:
+class DspEltwise(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> DspEltwiseParams:
-        kind = int(op.arg("type", 0))
-        if kind not in (0, 1):
+        kind = int(op.arg("type", EltwiseType.SUM))
+        if kind not in (EltwiseType.SUM, EltwiseType.SUB):
             raise MaceqError(f"op '{op.name}': nnlib's uint8 Eltwise is QuantizedAdd/Sub only")
-        lo, hi = rng(op.out_qinfo[0])
-        return DspEltwiseParams(kind == 1, (f32_bits(lo), f32_bits(hi)))
+        return DspEltwiseParams(kind == EltwiseType.SUB, _f32_range(op.out_qinfo[0]))
 
-    def run(self, p: DspEltwiseParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         a, b = inputs
         (a_lo, a_hi), (b_lo, b_hi) = rng(a.qinfo), rng(b.qinfo)
-        out_lo, out_hi = (bits_f32(v) for v in p.out_range_bits)
+        out_lo, out_hi = p.out_range
         fn = K.quantized_sub if p.subtract else K.quantized_add
         y, mn, mx = fn(a.values, b.values, a_min=a_lo, a_max=a_hi, b_min=b_lo, b_max=b_hi, out_min=out_lo,
                        out_max=out_hi)
@@ -214,53 +199,49 @@ class DspEltwise:
 
 @dataclass(frozen=True)
 class DspConcatParams:
-    on_dsp: bool
-    reason: str
     axis: int
-    cpu: object = None
 
 
 @register("Concat", device=DSP)
-class DspConcat:
-    _concat = cpu_ops.Concat()
-
-    def prepare(self, op: RtOp, in_q, ctx) -> DspConcatParams:
+class DspConcat(Kernel):
+    def rejects(self, op: RtOp, in_q, ctx) -> str:
         axis = int(op.arg("axis", 3))
         shape = op.output_shapes[0] if op.output_shapes else None
         # QuantizedConcat_8_d32 takes any axis; the flat op (kept for 1x1 outputs) depth only
         if axis % 4 != 3 and (shape is None or len(shape) != 4 or not R.concat_runs_d32(shape)):
-            return DspConcatParams(False, f"axis {axis}: nnlib's flat concat (1x1 outputs) concatenates depth only",
-                                   axis, self._concat.prepare(op, in_q, ctx))
-        return DspConcatParams(True, "", axis)
+            return f"axis {axis}: nnlib's flat concat (1x1 outputs) concatenates depth only"
+        return ""
 
-    def run(self, p: DspConcatParams, inputs):
-        if not p.on_dsp:
-            return self._concat.run(p.cpu, inputs)
-        y, mn, mx = K.quantized_concat([t.values for t in inputs], axis=p.axis,
+    def prepare(self, op: RtOp, in_q, ctx) -> DspConcatParams:
+        return DspConcatParams(int(op.arg("axis", 3)))
+
+    def run(self, prepared, inputs):
+        y, mn, mx = K.quantized_concat([t.values for t in inputs], axis=prepared.params.axis,
                                        in_ranges=[rng(t.qinfo) for t in inputs])
         return [QTensor(y, qinfo_of_range(mn, mx))]
 
 
 @dataclass(frozen=True)
 class DspPoolParams:
-    kind: int  # 1 avg, 2 max
+    kind: PoolingType
     kernel: tuple[int, int]
     strides: tuple[int, int]
     pads: tuple[int, int, int, int]
-    padding_arg: int | None = None
+    padding: R.Padding | None = None  # from a MACE ``padding`` argument (TensorFlow models)
 
 
 @register("Pooling", device=DSP)
-class DspPooling:
+class DspPooling(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> DspPoolParams:
-        return DspPoolParams(int(op.require("pooling_type")), tuple(int(v) for v in op.require("kernels")),
-                             tuple(int(v) for v in op.arg("strides", [1, 1])), op_pads(op), op.arg("padding"))
+        return DspPoolParams(pooling_type(op), tuple(int(v) for v in op.require("kernels")),
+                             tuple(int(v) for v in op.arg("strides", [1, 1])), op_pads(op), _padding(op))
 
-    def run(self, p: DspPoolParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x = inputs[0]
         lo, hi = rng(x.qinfo)
         mode = conv_padding(p, x.values.shape[1:3])
-        fn = K.quantized_maxpool if p.kind == 2 else K.quantized_avgpool
+        fn = K.quantized_maxpool if p.kind is PoolingType.MAX else K.quantized_avgpool
         y, mn, mx = fn(x.values, x_min=lo, x_max=hi, kernel=p.kernel, strides=p.strides, padding=mode)
         if (mn, mx) == (R.f32(lo), R.f32(hi)):
             return [QTensor(y, x.qinfo)]
@@ -270,27 +251,27 @@ class DspPooling:
 @dataclass(frozen=True)
 class DspMeanParams:
     axes: tuple[int, ...]
-    out_range_bits: tuple[int, int]
+    out_range: tuple[np.float32, np.float32]
 
 
 @register("Reduce", device=DSP)
-class DspReduce:
+class DspReduce(Kernel):
     """MACE's Hexagon converter turns Reduce (mean, keep_dims) into QuantizedMean_8 with the op's
     output range (convert_reduce)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> DspMeanParams:
-        if int(op.arg("reduce_type", 0)) != 0:
+        if int(op.arg("reduce_type", ReduceType.MEAN)) != ReduceType.MEAN:
             raise MaceqError(f"op '{op.name}': the dsp Reduce is the mean only ('Hexagon Reduce only supports Mean')")
         if not int(op.arg("keepdims", 1)):
             raise MaceqError(f"op '{op.name}': the dsp Reduce keeps dims only ('Hexagon Reduce Mean only supports "
                              "keep dims')")
-        lo, hi = rng(op.out_qinfo[0])
-        return DspMeanParams(tuple(int(a) for a in op.arg("axis", [1, 2])), (f32_bits(lo), f32_bits(hi)))
+        return DspMeanParams(tuple(int(a) for a in op.arg("axis", [1, 2])), _f32_range(op.out_qinfo[0]))
 
-    def run(self, p: DspMeanParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x = inputs[0]
         lo, hi = rng(x.qinfo)
-        out_lo, out_hi = (bits_f32(v) for v in p.out_range_bits)
+        out_lo, out_hi = p.out_range
         y, mn, mx = K.quantized_mean(x.values, x_min=lo, x_max=hi, axes=p.axes, out_min=out_lo, out_max=out_hi)
         return [QTensor(y, qinfo_of_range(mn, mx))]
 
@@ -298,21 +279,21 @@ class DspReduce:
 @dataclass(frozen=True)
 class DspQuantizeParams:
     find_range: bool
-    range_bits: tuple[int, int]
+    range: tuple[np.float32, np.float32]  # the stored output min/max
 
 
 @register("Quantize", device=DSP)
-class DspQuantize:
+class DspQuantize(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> DspQuantizeParams:
-        lo, hi = rng(op.out_qinfo[0])
-        return DspQuantizeParams(bool(op.arg("find_range_every_time", 0)), (f32_bits(lo), f32_bits(hi)))
+        return DspQuantizeParams(bool(op.arg("find_range_every_time", 0)), _f32_range(op.out_qinfo[0]))
 
-    def run(self, p: DspQuantizeParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x = np.asarray(inputs[0].values, np.float32)
         if p.find_range:
             q, mn, mx = K.quantize_input(x)
         else:
-            lo, hi = (bits_f32(v) for v in p.range_bits)
+            lo, hi = p.range
             q, mn, mx = K.quantize(x, min=lo, max=hi)
         return [QTensor(q, qinfo_of_range(mn, mx))]
 
@@ -323,11 +304,11 @@ class DspDequantizeParams:
 
 
 @register("Dequantize", device=DSP)
-class DspDequantize:
+class DspDequantize(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> DspDequantizeParams:
         return DspDequantizeParams()
 
-    def run(self, p, inputs):
+    def run(self, prepared, inputs):
         t = inputs[0]
         lo, hi = rng(t.qinfo)
         return [QTensor(K.dequantize(t.values, min=lo, max=hi), None)]

@@ -31,13 +31,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.mace.enums import DataFormat, FrameworkType, Padding, PoolingType, ReduceType, ResizeCoordinateMode
 from maceq.runtime.graph import RtOp
+from maceq.runtime.kernel import Kernel
 from maceq.runtime.kernels import float_ops as K
 from maceq.runtime.profiles import Device
 from maceq.runtime.qtypes import QTensor
 from maceq.runtime.registry import DType, register
 
-DF_NONE, DF_NHWC, DF_NCHW, DF_AUTO = 0, 1, 2, 1000
+#: the ``data_format`` arguments a float op may carry: raw (NONE, NCHW) or NHWC-held (NHWC, AUTO)
+DATA_FORMATS = (DataFormat.NONE, DataFormat.NHWC, DataFormat.NCHW, DataFormat.AUTO)
 TO_NCHW, TO_NHWC = (0, 3, 1, 2), (0, 2, 3, 1)
 #: NCHW-form axis -> NHWC axis of the same dimension (4-D)
 NCHW_TO_NHWC_AXIS = (0, 3, 1, 2)
@@ -52,10 +55,10 @@ def _fail(op: RtOp, msg: str) -> MaceqError:
 
 
 def _nhwc_held(op: RtOp) -> bool:
-    df = op.arg("data_format", DF_NONE)
-    if df not in (DF_NONE, DF_NHWC, DF_NCHW, DF_AUTO):
+    df = op.arg("data_format", DataFormat.NONE)
+    if df not in DATA_FORMATS:
         raise _fail(op, f"data_format {df} is not supported")
-    return df in (DF_NHWC, DF_AUTO)
+    return df in (DataFormat.NHWC, DataFormat.AUTO)
 
 
 def _const(op: RtOp, ctx, idx: int, what: str) -> np.ndarray:
@@ -128,26 +131,28 @@ class Geometry:
     strides: tuple[int, int]
     dilations: tuple[int, int]
     padding_values: tuple[int, int] | None  # totals per spatial dim
-    padding_mode: int                       # PaddingMode when padding_values is absent: VALID 0, SAME 1
+    padding_mode: Padding | None            # VALID or SAME when padding_values is absent
 
-    def pads(self, op: RtOp, in_hw, k_hw) -> tuple[int, int, int, int]:
+    def pads(self, in_hw, k_hw) -> tuple[int, int, int, int]:
         """(top, left, bottom, right): MACE gives top/left ``total / 2``."""
         if self.padding_values is not None:
             th, tw = self.padding_values
-        elif self.padding_mode == 0:
+        elif self.padding_mode is Padding.VALID:
             th = tw = 0
-        elif self.padding_mode == 1:  # SAME: out = (in - 1) / s + 1, total = (out-1)*s + extent - in
+        else:  # SAME: out = (in - 1) / s + 1, total = (out-1)*s + extent - in
             th, tw = (max(0, ((i - 1) // s) * s + (k - 1) * d + 1 - i)
                       for i, k, s, d in zip(in_hw, k_hw, self.strides, self.dilations))
-        else:
-            raise _fail(op, f"padding mode {self.padding_mode} is not supported")
         return th // 2, tw // 2, th - th // 2, tw - tw // 2
 
 
 def geometry(op: RtOp) -> Geometry:
     pv = op.arg("padding_values", None)
-    return Geometry(tuple(op.arg("strides", [1, 1])), tuple(op.arg("dilations", [1, 1])),
-                    tuple(pv) if pv else None, int(op.arg("padding", 0)))
+    if pv:
+        return Geometry(tuple(op.arg("strides", [1, 1])), tuple(op.arg("dilations", [1, 1])), tuple(pv), None)
+    mode = int(op.arg("padding", Padding.VALID))
+    if mode not in (Padding.VALID, Padding.SAME):
+        raise _fail(op, f"padding mode {mode} is not supported")
+    return Geometry(tuple(op.arg("strides", [1, 1])), tuple(op.arg("dilations", [1, 1])), None, Padding(mode))
 
 
 def _fixed_in(x: np.ndarray, nhwc: bool, op: RtOp) -> np.ndarray:
@@ -170,7 +175,7 @@ class ConvParams:
     neon: bool = False
 
 
-class _ConvBase:
+class _ConvBase(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> ConvParams:
         if int(op.arg("group", 1)) != 1 and op.type == "Conv2D":
             raise _fail(op, f"group {op.arg('group')} (MACE's float Conv2D has no groups)")
@@ -186,9 +191,10 @@ class _ConvBase:
 class Conv2D(_ConvBase):
     """Filter OIHW (``mace/ops/ref/conv_2d.cc``); bias, then the fused activation."""
 
-    def run(self, p: ConvParams, inputs):
-        x = _fixed_in(inputs[0].values, p.nhwc, self)
-        pads = p.geom.pads(self, x.shape[2:], p.filter.shape[2:])
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
+        x = _fixed_in(inputs[0].values, p.nhwc, op)
+        pads = p.geom.pads(x.shape[2:], p.filter.shape[2:])
         conv = K.conv2d_neon if p.neon else K.conv2d
         y = conv(x, p.filter, p.bias, strides=p.geom.strides, pads=pads, dilations=p.geom.dilations)
         return [_out(_fixed_out(p.act.apply(y), p.nhwc))]
@@ -198,9 +204,10 @@ class Conv2D(_ConvBase):
 class DepthwiseConv2d(_ConvBase):
     """Filter ``[M, C, KH, KW]``, output channel ``c*M + m`` (``mace/ops/ref/depthwise_conv_2d.cc``)."""
 
-    def run(self, p: ConvParams, inputs):
-        x = _fixed_in(inputs[0].values, p.nhwc, self)
-        pads = p.geom.pads(self, x.shape[2:], p.filter.shape[2:])
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
+        x = _fixed_in(inputs[0].values, p.nhwc, op)
+        pads = p.geom.pads(x.shape[2:], p.filter.shape[2:])
         conv = K.depthwise_conv2d_neon if p.neon else K.depthwise_conv2d
         y = conv(x, p.filter, p.bias, strides=p.geom.strides, pads=pads, dilations=p.geom.dilations)
         return [_out(_fixed_out(p.act.apply(y), p.nhwc))]
@@ -211,21 +218,22 @@ class Deconv2D(_ConvBase):
     """ONNX/Caffe framework form: inputs ``[x, filter OIHW, bias]``, ``padding_values`` totals (ref/deconv_2d.cc)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> ConvParams:
-        if int(op.arg("framework_type", 2)) == 0:
+        if int(op.arg("framework_type", FrameworkType.ONNX)) == FrameworkType.TENSORFLOW:
             raise _fail(op, "TensorFlow-style Deconv2D (output_shape input) is not supported")
         if int(op.arg("group", 1)) != 1:
             raise _fail(op, "grouped Deconv2D is not supported")
         if any(d != 1 for d in op.arg("dilations", [1, 1])):
             raise _fail(op, "dilated Deconv2D is not supported")
-        if op.arg("padding_values", None) is None and int(op.arg("padding", 0)) != 0:
+        if op.arg("padding_values", None) is None and int(op.arg("padding", Padding.VALID)) != Padding.VALID:
             raise _fail(op, "Deconv2D needs padding_values")
         w = _const(op, ctx, 1, "filter").astype(np.float32)
         bias = _opt_const(op, ctx, 2)
         return ConvParams(_nhwc_held(op), geometry(op), act_params(op, ctx), w,
                           None if bias is None else bias.astype(np.float32))
 
-    def run(self, p: ConvParams, inputs):
-        x = _fixed_in(inputs[0].values, p.nhwc, self)
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
+        x = _fixed_in(inputs[0].values, p.nhwc, op)
         total = p.geom.padding_values or (0, 0)
         y = K.deconv2d(x, p.filter, p.bias, strides=p.geom.strides, pad_total=total)
         return [_out(_fixed_out(p.act.apply(y), p.nhwc))]
@@ -242,22 +250,23 @@ class PoolParams:
 
 
 @register("Pooling", dtype=DType.FLOAT)
-class Pooling:
+class Pooling(Kernel):
     """``pooling_type`` AVG 1 / MAX 2 (default AVG), ``kernels``, ``round_mode`` FLOOR 0 / CEIL 1 (default CEIL)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> PoolParams:
-        kind = int(op.arg("pooling_type", 1))
-        if kind not in (1, 2):
+        kind = int(op.arg("pooling_type", PoolingType.AVG))
+        if kind not in tuple(PoolingType):
             raise _fail(op, f"pooling_type {kind}")
         k = op.arg("kernels", None)
         if not k or len(k) != 2:
             raise _fail(op, "needs 'kernels' [kh, kw]")
-        return PoolParams(_nhwc_held(op), geometry(op), kind == 2, tuple(k), int(op.arg("round_mode", 1)) == 1,
-                          _neon(ctx))
+        return PoolParams(_nhwc_held(op), geometry(op), kind == PoolingType.MAX, tuple(k),
+                          int(op.arg("round_mode", 1)) == 1, _neon(ctx))
 
-    def run(self, p: PoolParams, inputs):
-        x = _fixed_in(inputs[0].values, p.nhwc, self)
-        top, left, bottom, right = p.geom.pads(self, x.shape[2:], p.kernel)
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
+        x = _fixed_in(inputs[0].values, p.nhwc, op)
+        top, left, bottom, right = p.geom.pads(x.shape[2:], p.kernel)
         y = K.pooling(x, max_pool=p.max_pool, kernel=p.kernel, strides=p.geom.strides,
                       pad_total=(top + bottom, left + right), dilations=p.geom.dilations, ceil=p.ceil)
         if p.neon and not p.max_pool and y.shape[2:] == (1, 1) and tuple(p.kernel) == tuple(x.shape[2:]):
@@ -275,7 +284,7 @@ class FCParams:
 
 
 @register("FullyConnected", dtype=DType.FLOAT)
-class FullyConnected:
+class FullyConnected(Kernel):
     """Weight ``[O, C, H, W]`` against the input's stored ``[N, C, H, W]`` (fully_connected.cc): both are
     flattened in memory order. Output ``[N, O, 1, 1]`` (NHWC-held: ``[N, 1, 1, O]``)."""
 
@@ -285,14 +294,15 @@ class FullyConnected:
         return FCParams(_nhwc_held(op), act_params(op, ctx), w, None if bias is None else bias.astype(np.float32),
                         _neon(ctx))
 
-    def run(self, p: FCParams, inputs):
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
         x = inputs[0].values
         if x.ndim == 4 and p.nhwc:
             x = x.transpose(TO_NCHW)
         if x.ndim == 4 and p.weight.ndim == 4 and tuple(x.shape[1:]) != tuple(p.weight.shape[1:]):
-            raise _fail(self, f"input {x.shape} does not match weight {p.weight.shape}")
+            raise _fail(op, f"input {x.shape} does not match weight {p.weight.shape}")
         if int(np.prod(x.shape[1:])) != int(np.prod(p.weight.shape[1:])):
-            raise _fail(self, f"input {x.shape} does not match weight {p.weight.shape}")
+            raise _fail(op, f"input {x.shape} does not match weight {p.weight.shape}")
         fc = K.fully_connected_neon if p.neon else K.fully_connected
         y = p.act.apply(fc(x, p.weight, p.bias))
         n, o = y.shape
@@ -308,14 +318,15 @@ class MatMulParams:
 
 
 @register("MatMul", dtype=DType.FLOAT)
-class MatMul:
+class MatMul(Kernel):
     """``transpose_a``/``transpose_b``; optional third input: a 1-D bias over the columns (matmul.cc)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> MatMulParams:
         return MatMulParams(bool(op.arg("transpose_a", 0)), bool(op.arg("transpose_b", 0)), len(op.inputs) >= 3,
                             _neon(ctx))
 
-    def run(self, p: MatMulParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         bias = inputs[2].values if p.has_bias else None
         mm = K.matmul_neon if p.neon else K.matmul
         return [_out(mm(inputs[0].values, inputs[1].values, bias, transpose_a=p.transpose_a,
@@ -329,7 +340,7 @@ class LayoutActParams:
 
 
 @register("BatchNorm", dtype=DType.FLOAT)
-class BatchNorm:
+class BatchNorm(Kernel):
     """Folded form, inputs ``[x, scale, offset]``: ``scale[c] * x + offset[c]``, then the fused activation."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> LayoutActParams:
@@ -337,7 +348,8 @@ class BatchNorm:
             raise _fail(op, "only the folded form [input, scale, offset] is supported")
         return LayoutActParams(_nhwc_held(op), act_params(op, ctx))
 
-    def run(self, p: LayoutActParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x = inputs[0].values
         axis = (3 if p.nhwc else 1) if x.ndim == 4 else x.ndim - 1
         y = K.batch_norm(x, inputs[1].values, inputs[2].values, channel_axis=axis)
@@ -349,7 +361,7 @@ class BatchNorm:
 # ------------------------------------------------------------------------------------------
 
 @register("Activation", dtype=DType.FLOAT)
-class Activation:
+class Activation(Kernel):
     """``activation`` RELU/RELUX/LEAKYRELU/TANH/SIGMOID/HARDSIGMOID/ELU/PRELU (PRELU: alpha = input 1)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> LayoutActParams:
@@ -358,7 +370,8 @@ class Activation:
             raise _fail(op, "PRELU needs an alpha input")
         return LayoutActParams(_nhwc_held(op), p)
 
-    def run(self, p: LayoutActParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x = inputs[0].values
         if p.act.kind is K.ActKind.PRELU:
             axis = (3 if p.nhwc else 1) if x.ndim == 4 else min(1, x.ndim - 1)
@@ -378,7 +391,7 @@ class EltParams:
 
 
 @register("Eltwise", dtype=DType.FLOAT)
-class Eltwise:
+class Eltwise(Kernel):
     """MACE float Eltwise (eltwise.cc): ``type``; one input plus ``scalar_input`` at ``scalar_input_index``
     (default 1.0 at 1), or two inputs broadcast from the tail; ``coeff`` for SUM weights and CLIP bounds.
 
@@ -406,7 +419,8 @@ class Eltwise:
             return v.reshape((1,) * (4 - v.ndim) + v.shape).transpose(TO_NHWC)
         return v
 
-    def run(self, p: EltParams, inputs):
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
         a = inputs[0].values
         if len(inputs) == 1:
             if p.kind in (K.EltKind.NEG, K.EltKind.ABS, K.EltKind.CLIP):
@@ -420,7 +434,7 @@ class Eltwise:
         try:
             np.broadcast_shapes(a.shape, b.shape)
         except ValueError:
-            raise _fail(self, f"shapes {a.shape} and {b.shape} do not broadcast") from None
+            raise _fail(op, f"shapes {a.shape} and {b.shape} do not broadcast") from None
         return [_out(K.eltwise(a, b, p.kind, coeff=p.coeff))]
 
 
@@ -437,7 +451,7 @@ class SoftmaxParams:
 
 
 @register("Softmax", dtype=DType.FLOAT)
-class Softmax:
+class Softmax(Kernel):
     """4-D: over dim 1 of the stored NCHW tensor (softmax.cc); 2-D/3-D: over the last dim.
     An explicit ``axis`` arg (MACE master) indexes the stored dims (NCHW form when NHWC-held)."""
 
@@ -445,12 +459,13 @@ class Softmax:
         ax = op.arg("axis", None)
         return SoftmaxParams(_nhwc_held(op), None if ax is None else int(ax), bool(op.arg("use_log", 0)), _neon(ctx))
 
-    def run(self, p: SoftmaxParams, inputs):
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
         x = inputs[0].values
         if p.axis is None:
             axis = (3 if p.nhwc else 1) if x.ndim == 4 else x.ndim - 1
         else:
-            axis = _norm_axis(self, p.axis, x.ndim)
+            axis = _norm_axis(op, p.axis, x.ndim)
             if p.nhwc and x.ndim == 4:
                 axis = NCHW_TO_NHWC_AXIS[axis]
         if p.neon:
@@ -483,20 +498,21 @@ class ReduceParams:
 
 
 @register("Reduce", dtype=DType.FLOAT)
-class Reduce:
+class Reduce(Kernel):
     """``reduce_type`` MEAN 0 / MIN 1 / MAX 2 / PROD 3 / SUM 4, ``axis`` (empty: all), ``keepdims`` (default 0)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> ReduceParams:
         try:
-            kind = K.ReduceKind(int(op.arg("reduce_type", 0)))
+            kind = K.ReduceKind(int(op.arg("reduce_type", ReduceType.MEAN)))
         except ValueError:
             raise _fail(op, f"reduce_type {op.arg('reduce_type')}") from None
         return ReduceParams(kind, tuple(op.arg("axis", []) or []), bool(op.arg("keepdims", 0)),
                             bool(op.arg("has_data_format", 0)), _nhwc_held(op), _neon(ctx))
 
-    def run(self, p: ReduceParams, inputs):
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
         x = inputs[0].values
-        axes = tuple(_data_axis(self, a, x.ndim, has_df=p.has_df, nhwc=p.nhwc) for a in p.axes)
+        axes = tuple(_data_axis(op, a, x.ndim, has_df=p.has_df, nhwc=p.nhwc) for a in p.axes)
         if p.neon and not (p.nhwc and x.ndim == 4):  # MACE's loops over the array as stored
             return [_out(K.reduce_neon(x, p.kind, axes, keepdims=p.keepdims))]
         return [_out(K.reduce(x, p.kind, axes, keepdims=p.keepdims))]
@@ -515,7 +531,7 @@ class AxisParams:
 
 
 @register("Concat", dtype=DType.FLOAT)
-class Concat:
+class Concat(Kernel):
     """``axis`` (default 3) over the stored dims; ``has_data_format``: NHWC form (concat.cc).
     NHWC-held: 4-D constant inputs (NCHW in MACE's float model) are transposed to NHWC."""
 
@@ -524,19 +540,20 @@ class Concat:
         return AxisParams(int(op.arg("axis", 3)), bool(op.arg("has_data_format", 0)), _nhwc_held(op),
                           consts or None)
 
-    def run(self, p: AxisParams, inputs):
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
         xs = [t.values for t in inputs]
         if p.nhwc and p.sizes:
             xs = [x.transpose(TO_NHWC) if k in p.sizes and x.ndim == 4 else x for k, x in enumerate(xs)]
-        axis = _data_axis(self, p.axis, xs[0].ndim, has_df=p.has_df, nhwc=p.nhwc)
+        axis = _data_axis(op, p.axis, xs[0].ndim, has_df=p.has_df, nhwc=p.nhwc)
         try:
             return [_out(np.concatenate(xs, axis=axis))]
         except ValueError as e:
-            raise _fail(self, str(e)) from None
+            raise _fail(op, str(e)) from None
 
 
 @register("Split", dtype=DType.FLOAT)
-class Split:
+class Split(Kernel):
     """``axis`` (default 3); equal parts, one per output, or the sizes of a const int32 second input."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> AxisParams:
@@ -544,17 +561,18 @@ class Split:
         return AxisParams(int(op.arg("axis", 3)), bool(op.arg("has_data_format", 0)), _nhwc_held(op),
                           None if sizes is None else tuple(int(v) for v in sizes.ravel()))
 
-    def run(self, p: AxisParams, inputs):
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
         x = inputs[0].values
-        axis = _data_axis(self, p.axis, x.ndim, has_df=p.has_df, nhwc=p.nhwc)
-        n_out = len(self.outputs)
+        axis = _data_axis(op, p.axis, x.ndim, has_df=p.has_df, nhwc=p.nhwc)
+        n_out = len(op.outputs)
         if p.sizes is None:
             if x.shape[axis] % n_out:
-                raise _fail(self, f"dim {x.shape[axis]} does not split into {n_out} equal parts")
+                raise _fail(op, f"dim {x.shape[axis]} does not split into {n_out} equal parts")
             parts = np.split(x, n_out, axis=axis)
         else:
             if len(p.sizes) != n_out or sum(p.sizes) != x.shape[axis]:
-                raise _fail(self, f"split sizes {p.sizes} do not fit dim {x.shape[axis]} / {n_out} outputs")
+                raise _fail(op, f"split sizes {p.sizes} do not fit dim {x.shape[axis]} / {n_out} outputs")
             parts = np.split(x, np.cumsum(p.sizes)[:-1], axis=axis)
         return [_out(v) for v in parts]
 
@@ -580,7 +598,7 @@ def _mask_nhwc_to_nchw(m: int) -> int:
 
 
 @register("StridedSlice", dtype=DType.FLOAT)
-class StridedSlice:
+class StridedSlice(Kernel):
     """Inputs ``[x, begin, end, strides]`` (int32 consts), ``begin_mask``/``end_mask``/``shrink_axis_mask``;
     ``slice`` = 1 reads the second/third inputs as begin/size (strided_slice.cc)."""
 
@@ -595,7 +613,8 @@ class StridedSlice:
                            int(op.arg("shrink_axis_mask", 0)), bool(op.arg("slice", 0)),
                            bool(op.arg("has_data_format", 0)), _nhwc_held(op))
 
-    def run(self, p: SliceParams, inputs):
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
         x = inputs[0].values
         b, e, s = list(p.begin), list(p.end), list(p.strides)
         bm, em, sm = p.begin_mask, p.end_mask, p.shrink_mask
@@ -611,7 +630,7 @@ class StridedSlice:
             e = [x.shape[i] if v is None else v for i, v in enumerate(e)]
         if p.is_slice:
             if len(b) != x.ndim or len(e) != x.ndim:
-                raise _fail(self, "slice: begin and size need one entry per dimension")
+                raise _fail(op, "slice: begin and size need one entry per dimension")
             size = [x.shape[i] - b[i] if e[i] == -1 else e[i] for i in range(x.ndim)]
             return [_out(K.strided_slice(x, b, [b[i] + size[i] for i in range(x.ndim)], [1] * x.ndim))]
         return [_out(K.strided_slice(x, b, e, s, begin_mask=bm, end_mask=em, shrink_axis_mask=sm))]
@@ -625,7 +644,7 @@ class PadParams:
 
 
 @register("Pad", dtype=DType.FLOAT)
-class Pad:
+class Pad(Kernel):
     """``paddings`` [b0, e0, b1, e1, ...] (8 values, 4-D), ``constant_value``, ``pad_type`` (pad.cc)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> PadParams:
@@ -639,7 +658,8 @@ class Pad:
             p = [p[i] for i in (0, 1, 6, 7, 2, 3, 4, 5)]
         return PadParams(tuple(int(v) for v in p), float(op.arg("constant_value", 0.0)), int(op.arg("pad_type", 0)))
 
-    def run(self, p: PadParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         return [_out(K.pad(inputs[0].values, p.paddings, constant=p.constant, mode=p.mode))]
 
 
@@ -649,7 +669,7 @@ class DimsParams:
 
 
 @register("Transpose", dtype=DType.FLOAT)
-class Transpose:
+class Transpose(Kernel):
     """``dims``: output dim i is input dim ``dims[i]`` (transpose.cc; ranks 2-4)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> DimsParams:
@@ -658,15 +678,16 @@ class Transpose:
             raise _fail(op, "needs 'dims'")
         return DimsParams(tuple(int(d) for d in dims))
 
-    def run(self, p: DimsParams, inputs):
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
         x = inputs[0].values
         if x.ndim != len(p.dims) or sorted(p.dims) != list(range(x.ndim)):
-            raise _fail(self, f"dims {p.dims} do not permute a rank-{x.ndim} tensor")
+            raise _fail(op, f"dims {p.dims} do not permute a rank-{x.ndim} tensor")
         return [_out(x.transpose(p.dims))]
 
 
 @register("Reshape", dtype=DType.FLOAT)
-class Reshape:
+class Reshape(Kernel):
     """Target from the int32 shape input (reshape.cc), else the ``dim`` arg, else ``output_shape``;
     0 copies an input dim, one -1 is inferred. A raw reshape of the stored array."""
 
@@ -681,23 +702,25 @@ class Reshape:
             return DimsParams((0,) + tuple(op.output_shapes[0][1:]))
         raise _fail(op, "no target shape (shape input, 'dim' arg or output_shape)")
 
-    def run(self, p: DimsParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x = inputs[0].values
         return [_out(x.reshape(K.reshape_target(x.shape, p.dims)))]
 
 
 @register("Squeeze", dtype=DType.FLOAT)
-class Squeeze:
+class Squeeze(Kernel):
     """``axis``: the size-1 dims to drop (all size-1 dims when empty)."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> DimsParams:
         return DimsParams(tuple(int(a) for a in (op.arg("axis", []) or [])))
 
-    def run(self, p: DimsParams, inputs):
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
         x = inputs[0].values
         axes = tuple(a % x.ndim for a in p.dims) if p.dims else tuple(i for i, d in enumerate(x.shape) if d == 1)
         if any(x.shape[a] != 1 for a in axes):
-            raise _fail(self, f"cannot squeeze axes {axes} of {x.shape}")
+            raise _fail(op, f"cannot squeeze axes {axes} of {x.shape}")
         return [_out(np.squeeze(x, axis=axes))]
 
 
@@ -726,7 +749,7 @@ def _resize_params(op: RtOp, ctx, *, size_input: bool) -> ResizeParams:
     if size is None and scales is None:
         raise _fail(op, "needs a size (arg or input) or height_scale/width_scale")
     try:
-        mode = K.CoordMode(int(op.arg("coordinate_transformation_mode", 0)))
+        mode = K.CoordMode(int(op.arg("coordinate_transformation_mode", ResizeCoordinateMode.NONE)))
     except ValueError:
         raise _fail(op, f"coordinate_transformation_mode {op.arg('coordinate_transformation_mode')}") from None
     return ResizeParams(_nhwc_held(op), size, scales, bool(op.arg("align_corners", 0)), mode)
@@ -739,20 +762,21 @@ def _resize_out(p: ResizeParams, in_hw) -> tuple[int, int]:
 
 
 @register("ResizeBilinear", dtype=DType.FLOAT)
-class ResizeBilinear:
+class ResizeBilinear(Kernel):
     """``size`` [oh, ow] (or height/width scales), ``align_corners``, ``coordinate_transformation_mode``."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> ResizeParams:
         return _resize_params(op, ctx, size_input=False)
 
-    def run(self, p: ResizeParams, inputs):
-        x = _fixed_in(inputs[0].values, p.nhwc, self)
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
+        x = _fixed_in(inputs[0].values, p.nhwc, op)
         y = K.resize_bilinear(x, _resize_out(p, x.shape[2:]), align_corners=p.align_corners, mode=p.mode)
         return [_out(_fixed_out(y, p.nhwc))]
 
 
 @register("ResizeNearestNeighbor", dtype=DType.FLOAT)
-class ResizeNearestNeighbor:
+class ResizeNearestNeighbor(Kernel):
     """Size from the int32 second input (resize_nearest_neighbor.cc) or the ``size`` arg; ``align_corners``."""
 
     def prepare(self, op: RtOp, in_q, ctx) -> ResizeParams:
@@ -764,41 +788,8 @@ class ResizeNearestNeighbor:
             raise _fail(op, f"nearest_mode '{nm}' is not modelled")
         return p
 
-    def run(self, p: ResizeParams, inputs):
-        x = _fixed_in(inputs[0].values, p.nhwc, self)
+    def run(self, prepared, inputs):
+        p, op = prepared.params, prepared.op
+        x = _fixed_in(inputs[0].values, p.nhwc, op)
         y = K.resize_nearest(x, _resize_out(p, x.shape[2:]), align_corners=p.align_corners)
         return [_out(_fixed_out(y, p.nhwc))]
-
-
-# The registry makes one kernel instance per (device, op type, dtype) and shares it across ops, so a
-# ``run`` that needs its op (the output count of Split, the op name in messages) gets it through the
-# params: prepare returns (op, params) and run sees an _OpView as ``self``.
-class _OpView:
-    """``self`` inside ``run``: the op's name/type/outputs, then the kernel's own attributes."""
-
-    def __init__(self, op: RtOp, kernel):
-        self.name, self.type, self.outputs = op.name, op.type, op.outputs
-        self._kernel = kernel
-
-    def __getattr__(self, item):
-        return getattr(self._kernel, item)
-
-
-def _with_op(cls):
-    prepare, run = cls.prepare, cls.run
-
-    def prepare_with_op(self, op, in_q, ctx):
-        return op, prepare(self, op, in_q, ctx)
-
-    def run_with_op(self, packed, inputs):
-        op, params = packed
-        return run(_OpView(op, self), params, inputs)
-
-    cls.prepare, cls.run = prepare_with_op, run_with_op
-    return cls
-
-
-for _cls in (Conv2D, DepthwiseConv2d, Deconv2D, Pooling, FullyConnected, MatMul, BatchNorm, Activation, Eltwise,
-             Softmax, Reduce, Concat, Split, StridedSlice, Pad, Transpose, Reshape, Squeeze, ResizeBilinear,
-             ResizeNearestNeighbor):
-    _with_op(_cls)

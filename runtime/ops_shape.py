@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.mace.enums import ResizeCoordinateMode
 from maceq.runtime.graph import RtOp
+from maceq.runtime.kernel import Kernel
 from maceq.runtime.kernels.resize import MaceCoordMode, resize_bilinear_mace
 from maceq.runtime.qtypes import QTensor
 from maceq.runtime.registry import register
@@ -23,13 +25,14 @@ class ViewParams:
     tail: tuple[int, ...]  # the output shape without its batch dimension
 
 
-class _View:
+class _View(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> ViewParams:
         if not op.output_shapes:
             raise MaceqError(f"op '{op.name}' ({op.type}): no output_shape to reshape to")
         return ViewParams(tuple(int(d) for d in op.output_shapes[0][1:]))
 
-    def run(self, p: ViewParams, inputs):
+    def run(self, prepared, inputs):
+        p = prepared.params
         x = inputs[0]
         n = x.values.shape[0]
         if int(np.prod(p.tail)) * n != x.values.size:
@@ -56,12 +59,12 @@ class Flatten(_View):
 class ResizeParams:
     out_hw: tuple[int, int]
     align_corners: bool
-    coordinate_mode: int
-    scale_hw_bits: tuple[int, int] | None  # float32 bit patterns of MACE's height/width scale args
+    coordinate_mode: ResizeCoordinateMode
+    scale_hw: tuple[np.float32, np.float32] | None  # MACE's height/width scale args
 
 
 @register("ResizeBilinear")
-class ResizeBilinear:
+class ResizeBilinear(Kernel):
     """MACE's uint8 ResizeBilinear (mace/ops/resize_bilinear.cc): codes interpolated in float32, roundf.
 
     The output keeps the input's scale and zero point, as MACE's converter writes it.
@@ -72,17 +75,18 @@ class ResizeBilinear:
         hs, ws = op.arg("height_scale"), op.arg("width_scale")
         if size is None and hs is None:
             raise MaceqError(f"op '{op.name}' (ResizeBilinear): neither size nor scale args")
-        bits = None
-        if hs is not None and ws is not None:
-            bits = (int(np.float32(hs).view(np.int32)), int(np.float32(ws).view(np.int32)))
-        out_hw = tuple(size) if size is not None else tuple(op.output_shapes[0][1:3])
-        return ResizeParams(out_hw, bool(op.arg("align_corners", 0)), int(op.arg("coordinate_transformation_mode", 0)),
-                            bits)
-
-    def run(self, p: ResizeParams, inputs):
         scale_hw = None
-        if p.scale_hw_bits is not None:
-            scale_hw = tuple(float(np.int32(b).view(np.float32)) for b in p.scale_hw_bits)
+        if hs is not None and ws is not None:
+            scale_hw = (np.float32(hs), np.float32(ws))
+        mode = int(op.arg("coordinate_transformation_mode", ResizeCoordinateMode.NONE))
+        if mode not in tuple(ResizeCoordinateMode):
+            raise MaceqError(f"op '{op.name}' (ResizeBilinear): unknown coordinate_transformation_mode {mode}")
+        out_hw = tuple(size) if size is not None else tuple(op.output_shapes[0][1:3])
+        return ResizeParams(out_hw, bool(op.arg("align_corners", 0)), ResizeCoordinateMode(mode), scale_hw)
+
+    def run(self, prepared, inputs):
+        p = prepared.params
+        scale_hw = None if p.scale_hw is None else tuple(float(s) for s in p.scale_hw)
         y = resize_bilinear_mace(inputs[0].values, out_hw=None if scale_hw else p.out_hw, scale_hw=scale_hw,
-                                 align_corners=p.align_corners, coordinate_mode=MaceCoordMode(p.coordinate_mode))
+                                 align_corners=p.align_corners, coordinate_mode=MaceCoordMode(int(p.coordinate_mode)))
         return [QTensor(y, inputs[0].qinfo)]

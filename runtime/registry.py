@@ -1,27 +1,20 @@
-"""Kernel registry keyed by (op_type, dtype, device).
+"""Kernel registry keyed by (op_type, dtype, device), and where each op runs.
 
 A device's kernel table is the default table (device None) plus that device's
 explicit overrides. Registering the same key twice raises. ``dtype`` is the
 op's data type in the MACE model (its ``T`` argument): a uint8 op and a float
 op of the same type are different kernels.
+
+An op runs on its device when the device overrides its kernel (and the
+override does not reject the op) or, on the gpu, when it is a float op (the
+fp16_fp32 float path); otherwise the default kernel runs it on the cpu.
 """
 from __future__ import annotations
 
-from enum import Enum
-
 from maceq.errors import MaceqError
-from maceq.runtime.profiles import Device
-
-
-class DType(Enum):
-    UINT8 = "uint8"
-    FLOAT = "float"
-
-    @classmethod
-    def from_mace(cls, t: int | None) -> "DType":
-        """MACE's ``T`` argument (DataType enum): 1 float, 2 uint8; absent means uint8 here."""
-        return cls.FLOAT if t == 1 else cls.UINT8
-
+from maceq.runtime.graph import RtOp
+from maceq.runtime.kernel import DType, Kernel, Placement, PrepareContext, PreparedOp
+from maceq.runtime.profiles import Device, FloatStorage
 
 _REGISTRY: dict[tuple[str, DType, Device | None], type] = {}
 
@@ -54,3 +47,29 @@ def lookup(op_type: str, device: Device, *, dtype: DType = DType.UINT8, op_name:
     if (op_type, dtype) not in table:
         raise MaceqError(f"op '{op_name}': no {device.value} kernel for {dtype.value} op type '{op_type}'")
     return table[(op_type, dtype)]
+
+
+def op_dtype(op: RtOp) -> DType:
+    """The dtype an op's kernel is registered for: its ``T``; Quantize/Dequantize's T is the quantized side."""
+    if op.type in ("Quantize", "Dequantize"):
+        return DType.UINT8
+    return DType.from_mace(op.arg("T"))
+
+
+def table_placement(op_type: str, dtype: DType, device: Device) -> Placement:
+    """Where the kernel table runs an op: on the device (its own kernel, or the gpu's float path), else the cpu."""
+    if device is Device.CPU or (op_type, dtype, device) in _REGISTRY or (dtype is DType.FLOAT and device is Device.GPU):
+        return Placement(device)
+    return Placement(Device.CPU, f"no {device.value} kernel for {op_type}")
+
+
+def prepare_op(kernel: Kernel, op: RtOp, in_q: tuple, ctx: PrepareContext) -> PreparedOp:
+    """``op`` prepared for ``ctx.profile``'s device with ``kernel`` (from its table), or with the default
+    kernel on the cpu where ``kernel`` rejects it."""
+    where = table_placement(op.type, kernel.dtype, ctx.profile.device)
+    why = kernel.rejects(op, in_q, ctx)
+    if why:
+        kernel, where = _REGISTRY[(op.type, kernel.dtype, None)](), Placement(Device.CPU, why)
+    params = kernel.prepare(op, in_q, ctx)
+    storage = ctx.profile.float_storage if kernel.dtype is DType.FLOAT else FloatStorage.FLOAT32
+    return PreparedOp(op, kernel, params, kernel.plan(op, params, ctx), where, storage)

@@ -373,7 +373,7 @@ def test_superfc_fast_equals_scalar():
         out_min, out_max = _out_range(rng)
         kw = dict(x_min=_rand_range(rng)[0], x_max=_rand_range(rng)[1], w_min=_rand_range(rng, allow_positive=False)[0],
                   w_max=float(rng.uniform(0.1, 2)), bias_min=b_min, bias_max=b_max, out_min=out_min, out_max=out_max)
-        tally.add(r.superfc_ref(x, w, bias, **kw), dsp.superfc(x, w, bias, variant="ref", **kw))
+        tally.add(r.superfc_ref(x, w, bias, **kw), dsp.superfc(x, w, bias, variant=dsp.SuperFCVariant.REF, **kw))
     assert tally.counts() == (0, 0)
 
 

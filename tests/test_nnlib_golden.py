@@ -21,7 +21,7 @@ from maceq.runtime.model import PrepareContext, QTensor
 from maceq.runtime.ops_dsp import qinfo_of_range, rng
 from maceq.runtime.profiles import Device, get_profile
 from maceq.runtime.qtypes import QInfo
-from maceq.runtime.registry import lookup
+from maceq.runtime.registry import lookup, prepare_op
 
 DATA = Path(__file__).resolve().parent / "data" / "nnlib"
 
@@ -58,12 +58,12 @@ def _fed(codes, mn, mx) -> QTensor:
 
 
 def _maceq_op(op: RtOp, consts: dict, const_qinfo: dict, fed: dict):
-    """maceq's dsp kernel for one op -> (codes, min, max, params)."""
-    kernel = lookup(op.type, Device.DSP)()
+    """maceq's dsp kernel for one op -> (codes, min, max, PreparedOp)."""
     ins = [fed[t] if t in fed else QTensor(consts[t], const_qinfo[t]) for t in op.inputs]
-    params = kernel.prepare(op, tuple(t.qinfo for t in ins), PrepareContext(get_profile("dsp"), consts, const_qinfo))
-    out = kernel.run(params, ins)[0]
-    return (out.values, *rng(out.qinfo), params)
+    prepared = prepare_op(lookup(op.type, Device.DSP)(), op, tuple(t.qinfo for t in ins),
+                          PrepareContext(get_profile("dsp"), consts, const_qinfo))
+    out = prepared.run(ins)[0]
+    return (out.values, *rng(out.qinfo), prepared)
 
 
 def _diff(got, want) -> tuple[int, int, bool]:
@@ -99,8 +99,9 @@ def test_sweep_case(name, i):
     const_qinfo = {k: QInfo(*v["qinfo"]) for k, v in case["consts"].items()}
     fed = {d["name"]: _fed(z[f"{i}.{d['name']}"], d["min"], d["max"]) for d in case["inputs"]}
     want = (z[f"{i}.y"], case["nnlib"]["min"], case["nnlib"]["max"])
-    y, mn, mx, params = _maceq_op(op, consts, const_qinfo, fed)
-    where = "" if getattr(params, "on_dsp", True) else f" [maceq runs it on the cpu: {params.reason}]"
+    y, mn, mx, prepared = _maceq_op(op, consts, const_qinfo, fed)
+    place = prepared.placement
+    where = "" if place.device is Device.DSP else f" [maceq runs it on the cpu: {place.reason}]"
     bad, max_abs, same = _diff((y, mn, mx), want)
     assert bad == 0 and same, _describe(f"{case['label']} ({'/'.join(case['nnlib']['nodes'])}){where}",
                                         bad, max_abs, same, want[0].size, (y, mn, mx), want)
@@ -117,11 +118,11 @@ def _maceq_places_on_dsp(row: dict) -> tuple[bool, str]:
     in_q = {d["name"]: qinfo_of_range(d["min"], d["max"]) for d in row["inputs"]}
     kernel = lookup(op.type, Device.DSP)()
     try:
-        params = kernel.prepare(op, tuple(in_q.get(t) or const_qinfo[t] for t in op.inputs),
-                                PrepareContext(get_profile("dsp"), consts, const_qinfo))
+        prepared = prepare_op(kernel, op, tuple(in_q.get(t) or const_qinfo[t] for t in op.inputs),
+                              PrepareContext(get_profile("dsp"), consts, const_qinfo))
     except Exception as e:  # noqa: BLE001 - maceq's refusal
         return False, f"raises {type(e).__name__}: {str(e).splitlines()[0]}"
-    return bool(getattr(params, "on_dsp", True)), getattr(params, "reason", "")
+    return prepared.placement.device is Device.DSP, prepared.placement.reason
 
 
 def test_placement_matches_nnlib():

@@ -705,7 +705,7 @@ def test_nnlib_superfc_requant_stage(k, o, data):
     fmin_, fmax_, outadd, scalef31 = nr.superfc_ref_output(minsum, maxsum, out_level, out_min, out_max)
     want = ref_superfc_output(tmp, outadd, scalef31)
     y_ref, rmin, rmax = nr.superfc_ref(x, w, bias, **kw)
-    y_fast, qmin, qmax = dsp.superfc(x, w, bias, variant="ref", **kw)
+    y_fast, qmin, qmax = dsp.superfc(x, w, bias, variant=dsp.SuperFCVariant.REF, **kw)
     assert y_ref.ravel().tolist() == want
     assert y_fast.ravel().tolist() == want
     assert (rmin, rmax) == (qmin, qmax) == (fmin_, fmax_)
@@ -718,7 +718,7 @@ def test_nnlib_superfc_saturates_at_both_range_limits():
     kw = dict(x_min=-2.0, x_max=2.0, w_min=-2.0, w_max=2.0, bias_min=-1.0, bias_max=1.0,
               out_min=-0.5, out_max=0.5)
     y_ref, _, _ = nr.superfc_ref(x, w, np.zeros(1, dtype=np.int64), **kw)
-    y_fast, _, _ = dsp.superfc(x, w, np.zeros(1, dtype=np.int64), variant="ref", **kw)
+    y_fast, _, _ = dsp.superfc(x, w, np.zeros(1, dtype=np.int64), variant=dsp.SuperFCVariant.REF, **kw)
     # row 0: 2*2 + (-2)*(-2) = 8 > 0.5 -> 255; row 1: (-2)*2 + 2*(-2) = -8 < -0.5 -> 0
     assert y_ref.ravel().tolist() == y_fast.ravel().tolist()
     assert sorted(y_ref.ravel().tolist()) == [0, 255]

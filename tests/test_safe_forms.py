@@ -10,6 +10,7 @@ import yaml
 from maceq.app.cli import quantize_main
 from maceq.runtime import load, profiles
 from maceq.runtime.graph import RtOp
+from maceq.runtime.kernel import Placement, PreparedOp
 from maceq.runtime.ops import Pad
 from maceq.runtime.qtypes import QInfo
 
@@ -72,7 +73,8 @@ def test_uint8_pad_fills_with_the_quantized_constant():
     def run(value, pads):
         op = RtOp("p", "Pad", ("x",), ("y",), {"paddings": pads, "pad_type": 0, "constant_value": value}, (), ())
         k = Pad()
-        (y,) = k.run(k.prepare(op, (q,), None), [type("T", (), {"values": x, "qinfo": q})()])
+        prepared = PreparedOp(op, k, k.prepare(op, (q,), None), None, Placement(profiles.Device.CPU))
+        (y,) = prepared.run([type("T", (), {"values": x, "qinfo": q})()])
         return y
 
     y = run(0.0, [0, 0, 1, 2, 0, 1, 0, 0])

@@ -31,12 +31,13 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from maceq.errors import MaceqError
+from maceq.mace.enums import Padding as MacePadding
 from maceq.runtime.kernels import nnlib_ref as r
 from maceq.runtime.kernels.nnlib_ref import INF, Padding
 
 __all__ = [
-    "Padding", "SupernodeVariant", "ohwi_to_hwio", "fc_weight_to_dsp", "padding_for_pads", "mace_padding_mode",
-    "supports_conv",
+    "Padding", "SupernodeVariant", "SuperFCVariant", "ohwi_to_hwio", "fc_weight_to_dsp", "padding_for_pads",
+    "nnlib_padding", "mace_padding_mode", "supports_conv",
     "quantize_adjust_range",
     "supernode", "depthwise_supernode", "superfc", "quantized_add", "quantized_sub", "quantized_concat",
     "quantized_maxpool", "quantized_avgpool", "quantized_mean", "quantize", "quantize_input", "dequantize",
@@ -48,6 +49,13 @@ class SupernodeVariant(Enum):
 
     REF = "ref"  # op_supernode.c supernode_execute_ref (16-bit reciprocal 0xff0000/maxrange)
     D32 = "d32"  # d32 family: 31-bit recip_val, shift, rounding >> 31 (model; conv core unread)
+
+
+class SuperFCVariant(Enum):
+    """Which SuperFC_8x8p32to8 execution: the HVX one the op runs, or the flat C reference."""
+
+    HVX = "hvx"  # superfc_execute_hvx (nnlib_ref.superfc_hvx_ref; K >= 32 and a multiple of 16)
+    REF = "ref"  # SuperFC_8x8p32to8_ref (nnlib_ref.superfc_ref)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,6 +129,17 @@ def padding_for_pads(*, in_hw, kernel, strides, pads) -> Padding:
                      f"{tuple(strides)} match no padding mode (SAME, VALID, SAME_CAFFE)")
 
 
+#: MACE's ``padding`` argument -> nnlib padding, as MACE's Hexagon converter maps it (4 is the converter's NA)
+_NNLIB_PADDING = {MacePadding.VALID: Padding.VALID, MacePadding.SAME: Padding.SAME, 4: Padding.NA}
+
+
+def nnlib_padding(padding_arg: int) -> Padding:
+    """The nnlib padding of a MACE ``padding`` argument (TensorFlow models), or MaceqError."""
+    if int(padding_arg) not in _NNLIB_PADDING:
+        raise MaceqError(f"MACE's Hexagon converter: padding mode {padding_arg} has no nnlib padding")
+    return _NNLIB_PADDING[int(padding_arg)]
+
+
 def mace_padding_mode(*, in_hw, out_hw, kernel, strides, padding_arg=None) -> Padding:
     """The padding mode MACE's Hexagon converter gives a conv / pooling op (add_padding_type_for_conv_pooling).
 
@@ -131,10 +150,7 @@ def mace_padding_mode(*, in_hw, out_hw, kernel, strides, padding_arg=None) -> Pa
     (more at the end) runs as SAME_CAFFE (more at the start) on the device.
     """
     if padding_arg is not None:
-        modes = {0: Padding.VALID, 1: Padding.SAME, 4: Padding.NA}
-        if int(padding_arg) not in modes:
-            raise MaceqError(f"MACE's Hexagon converter: padding mode {padding_arg} has no nnlib padding")
-        return modes[int(padding_arg)]
+        return nnlib_padding(padding_arg)
     sizes = list(zip(in_hw, out_hw, kernel, strides))
     if all(o == (i - k) // s + 1 for i, o, k, s in sizes):
         return Padding.VALID
@@ -453,11 +469,11 @@ def depthwise_supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bia
 
 
 def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-INF, out_max=INF, relu=None,
-            variant: str = "hvx"):
+            variant: SuperFCVariant = SuperFCVariant.HVX):
     """SuperFC_8x8p32to8 -> (y [N, O], y_min, y_max); x [N, K], w [K, O].
 
-    ``variant="hvx"``: superfc_execute_hvx, what the op runs (``nnlib_ref.superfc_hvx_ref``; K must
-    be >= 32 and a multiple of 16); ``"ref"``: SuperFC_8x8p32to8_ref (``nnlib_ref.superfc_ref``).
+    ``variant`` HVX: superfc_execute_hvx, what the op runs (``nnlib_ref.superfc_hvx_ref``; K must
+    be >= 32 and a multiple of 16); REF: SuperFC_8x8p32to8_ref (``nnlib_ref.superfc_ref``).
     """
     x = np.asarray(x)
     w = np.asarray(w)
@@ -467,10 +483,10 @@ def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_m
     bias = np.asarray(bias, dtype=np.int64).reshape(-1)
     kw = dict(x_min=x_min, x_max=x_max, w_min=w_min, w_max=w_max, bias_min=bias_min, bias_max=bias_max,
               out_min=out_min, out_max=out_max)
-    if variant == "ref":
+    if variant is SuperFCVariant.REF:
         return _superfc_ref(x, w, bias, **kw)
-    if variant != "hvx":
-        raise MaceqError(f"dsp SuperFC: variant must be 'hvx' or 'ref', got {variant!r}")
+    if variant is not SuperFCVariant.HVX:
+        raise MaceqError(f"dsp SuperFC: variant must be a SuperFCVariant, got {variant!r}")
     ok, why = r.superfc_supported(x.shape[1])
     if not ok:
         raise MaceqError(f"dsp SuperFC: {why}")

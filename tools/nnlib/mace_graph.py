@@ -441,21 +441,18 @@ def maceq_placement(model) -> dict:
         return model.placement("dsp")
     except MaceqError:
         pass
-    from maceq.runtime.model import PrepareContext, _placement_of
-    from maceq.runtime.profiles import get_profile
+    from maceq.runtime.registry import op_dtype, table_placement
 
-    prof = get_profile("dsp")
-    ctx = PrepareContext(prof, model.consts, model.const_qinfo)
+    ctx = model.context("dsp")
     q = dict(model.const_qinfo)
     out = {}
     for op in model.ops:
         q.update(zip(op.outputs, op.out_qinfo))
-        kernel = model._kernel(op, prof)
         try:
-            params = kernel.prepare(op, tuple(q.get(i) for i in op.inputs), ctx)
-        except Exception:  # noqa: BLE001 - no params: placed by the kernel table alone
-            params = None
-        out[op.name] = _placement_of(op, kernel, params, prof.device)
+            where = model.prepare(op, tuple(q.get(i) for i in op.inputs), ctx).placement
+        except Exception:  # noqa: BLE001 - not prepared: placed by the kernel table alone
+            where = table_placement(op.type, op_dtype(op), ctx.profile.device)
+        out[op.name] = (where.device.value, where.reason)
     return out
 
 
@@ -884,16 +881,15 @@ def maceq_placement_of_case(case: Case) -> tuple:
     """maceq's placement rule for the case: (on_dsp, why) from its dsp kernel's prepare (a raise = not)."""
     from maceq.runtime.model import PrepareContext
     from maceq.runtime.profiles import Device, get_profile
-    from maceq.runtime.registry import lookup
+    from maceq.runtime.registry import lookup, prepare_op
 
     q = {t: _qinfo(mn, mx) for t, _, mn, mx in case.inputs} | case.const_qinfo
     try:
-        params = lookup(case.op.type, Device.DSP)().prepare(
-            case.op, tuple(q[t] for t in case.op.inputs), PrepareContext(get_profile("dsp"), case.consts,
-                                                                        case.const_qinfo))
+        prepared = prepare_op(lookup(case.op.type, Device.DSP)(), case.op, tuple(q[t] for t in case.op.inputs),
+                              PrepareContext(get_profile("dsp"), case.consts, case.const_qinfo))
     except Exception as e:  # noqa: BLE001 - maceq's refusal
         return False, f"prepare raises {type(e).__name__}: {str(e).splitlines()[0]}"
-    return bool(getattr(params, "on_dsp", True)), getattr(params, "reason", "")
+    return prepared.placement.device is Device.DSP, prepared.placement.reason
 
 
 def maceq_case(case: Case):
@@ -901,16 +897,15 @@ def maceq_case(case: Case):
     from maceq.runtime.model import PrepareContext, QTensor
     from maceq.runtime.ops_dsp import rng
     from maceq.runtime.profiles import Device, get_profile
-    from maceq.runtime.registry import lookup
+    from maceq.runtime.registry import lookup, prepare_op
 
-    kernel = lookup(case.op.type, Device.DSP)()
     fed = {t: QTensor(a, _qinfo(mn, mx)) for t, a, mn, mx in case.inputs}
     ins = [fed[t] if t in fed else QTensor(case.consts[t], case.const_qinfo[t]) for t in case.op.inputs]
-    params = kernel.prepare(case.op, tuple(t.qinfo for t in ins),
-                            PrepareContext(get_profile("dsp"), case.consts, case.const_qinfo))
-    out = kernel.run(params, ins)[0]
+    prepared = prepare_op(lookup(case.op.type, Device.DSP)(), case.op, tuple(t.qinfo for t in ins),
+                          PrepareContext(get_profile("dsp"), case.consts, case.const_qinfo))
+    out = prepared.run(ins)[0]
     mn, mx = rng(out.qinfo)
-    return bool(getattr(params, "on_dsp", True)), getattr(params, "reason", ""), (out.values, mn, mx)
+    return prepared.placement.device is Device.DSP, prepared.placement.reason, (out.values, mn, mx)
 
 
 def accepts(cfg: OpConfig, **kw) -> tuple:
