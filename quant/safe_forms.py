@@ -86,17 +86,12 @@ def find_defects(model: Model, device: Device) -> dict[str, str]:
     """
     per_image = _find_range_inputs(model.net_def)
     found = dict(model.deviations(device))
-    for op, kernel, params in model.probe(get_profile(device)):
-        if op.name in found or not op.inputs or op.inputs[0] not in per_image or not hasattr(kernel, "deviation"):
-            continue
-        p = getattr(params, "cpu", params) if getattr(params, "on_dsp", False) is False else None
-        if p is None or not hasattr(p, "shift"):
-            continue
-        forced = dataclasses.replace(p, shift=min(p.shift, -1))
-        if hasattr(params, "cpu"):
-            forced = dataclasses.replace(params, cpu=forced)
-        shapes = [_shape_of(model, t) for t in op.inputs]
-        why = kernel.deviation(forced, shapes)
+    for prepared in model.probe_ops(get_profile(device)):
+        op, params = prepared.op, prepared.params
+        if op.name in found or not op.inputs or op.inputs[0] not in per_image or not hasattr(params, "shift"):
+            continue  # only a gemmlowp-requantized convolution's path depends on its multiplier
+        forced = dataclasses.replace(params, shift=min(params.shift, -1))
+        why = prepared.kernel.deviation(forced, [_shape_of(model, t) for t in op.inputs])
         if why:
             found[op.name] = why + " (for images whose input range gives a requantization multiplier below 0.5)"
     return found

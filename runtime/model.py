@@ -183,19 +183,20 @@ class Model:
         return {p.op.name: (p.placement.device.value, p.placement.reason)
                 for p in self.probe_ops(get_profile(device))}
 
-    def probe_ops(self, profile: DeviceProfile) -> list[PreparedOp]:
-        """Every op as one run on a deterministic probe input prepared it."""
+    def probe_inputs(self) -> dict[str, np.ndarray]:
+        """A deterministic probe input of batch 1 per graph input: a ramp over [-1, 1] (a constant
+        input would give some kernels an empty range)."""
         probe = {}
-        for n in self.input_names:  # a deterministic ramp: a constant input gives some kernels an empty range
+        for n in self.input_names:
             shape = (1,) + tuple(self.input_shape(n)[1:])
             probe[n] = np.linspace(-1.0, 1.0, int(np.prod(shape)), dtype=np.float32).reshape(shape)
+        return probe
+
+    def probe_ops(self, profile: DeviceProfile) -> list[PreparedOp]:
+        """Every op as one run on the probe input (:meth:`probe_inputs`) prepared it."""
         with _threads.section():
             plan = self._plan(profile.device.value, "numpy")
-            return self._evaluate(plan, self._feed(probe))
-
-    def probe(self, profile: DeviceProfile) -> list[tuple]:
-        """(op, kernel, params) of every op, prepared by one run on a deterministic probe input."""
-        return [(p.op, p.kernel, p.params) for p in self.probe_ops(profile)]
+            return self._evaluate(plan, self._feed(self.probe_inputs()))
 
     def deviations(self, device: str) -> dict[str, str]:
         """Op name -> how the device's result departs from the convolution the model means.

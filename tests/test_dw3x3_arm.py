@@ -112,7 +112,7 @@ def test_eligibility_matches_the_stock_build_on_the_sweep(shared_data):
     for d in dirs:
         rec = json.loads((d / "result.json").read_text())
         m = load(d / "model.yml")
-        p = next(p for op, _, p in m.probe(get_profile("cpu")) if op.type == "DepthwiseConv2d")
+        p = next(p.params for p in m.probe_ops(get_profile("cpu")) if p.op.type == "DepthwiseConv2d")
         assert -p.shift == rec["right_shift"], d.name
         s = DepthwiseConv2d.fast3x3_shape(p, (3, 3, rec["C"], 1), (1, rec["H"], rec["W"], rec["C"]))
         assert (s is not None) == rec["fast3x3_eligible"], d.name
