@@ -137,6 +137,7 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
     for device in devs:
         built = build_mace_model(cal.graph_for(device.value, fp32), cal.ranges, cal.shapes, model_name=name,
                                  strict=strict, fp32=fp32, device=device)
+        check_output_shapes(built, device, cal.graph, cal.shapes)
         forms_meta = result.device_forms[device.value] = _device_forms(built, device, safe=config.safe_forms)
         recovery = list(cal.recovery) + list(cal.device_recovery.get(device.value, []))
         fallback = sorted(n for n, where in placements[device].items() if where != "uint8" and n not in fp32)
@@ -195,6 +196,31 @@ def _output_dir(output_dir, device: Device, *, several: bool) -> Path:
     except OSError as e:
         raise MaceqError(f"{out_dir}: cannot create the output folder ({e.strerror})") from None
     return out_dir
+
+
+def check_output_shapes(built, device: Device, graph: Graph, shapes: dict) -> None:
+    """Refuse, naming the node, a built model whose simulation computes a tensor of another size than
+    ONNX shape inference gives the source graph's (a lost padding, a wrong window): such a model must
+    never be written. Checked on one probe run (batch 1); a 4-D tensor may be NCHW or NHWC, other
+    ranks compare their element counts. A model the device refuses to run is left to the writer."""
+    model = in_memory_model(built.multi_net_def, built.arrays, device)
+    try:
+        ran = model.run(model.probe_inputs(), device=device, intermediates=True)
+    except MaceqError:
+        return
+    producer = {o: n for n in graph.nodes for o in n.outputs}
+    for name, t in ran.tensors.items():
+        ir = built.tensor_map.get(name, name)
+        if ir not in producer or ir not in shapes:
+            continue
+        want, got = (1,) + tuple(shapes[ir][1:]), tuple(t.values.shape)
+        same = int(np.prod(got)) == int(np.prod(want)) and (
+            len(got) != 4 or len(want) != 4 or got in (want, (want[0], want[2], want[3], want[1])))
+        if not same:
+            node = producer[ir]
+            origin = (node.attrs.get("maceq_names") or [node.name])[0]
+            raise MaceqError(f"node '{origin}' ({node.op_type}): the written {device.value} model would compute "
+                             f"'{ir}' with shape {got}, ONNX shape inference gives {want}; no model was written")
 
 
 def _device_forms(built, device: Device, *, safe: bool) -> dict:

@@ -108,3 +108,29 @@ def test_float_share_counts_the_float_macs_boundaries_and_dsp_fallback(tmp_path)
     # nnlib has no float ops: every one runs on the cpu fallback, after one dsp -> cpu transfer
     assert dsp.float_macs == cpu.float_macs and dsp.fallback_ops == dsp.float_ops == cpu.float_ops
     assert dsp.transfers == 1 and "3 ops on the cpu fallback with 1 dsp<->cpu transfers per run" in dsp.describe()
+
+
+def test_a_built_model_whose_shapes_depart_from_onnx_is_refused_naming_the_node(tmp_path):
+    """The writer's last check: a pooling that lost its padding computes 3x3 where ONNX says 4x4."""
+    from maceq.errors import MaceqError
+    from maceq.mace.format import add_arg
+    from maceq.quant.build import build_mace_model
+    from maceq.quant.export import check_output_shapes
+    from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
+    from maceq.runtime.profiles import Device
+
+    rng = np.random.default_rng(6)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="c"),
+             helper.make_node("MaxPool", ["c"], ["y"], kernel_shape=[2, 2], strides=[2, 2], auto_pad="SAME_UPPER",
+                              name="mp")]
+    path = _save(tmp_path / "mp.onnx", nodes, {"w": rng.normal(0, .4, (4, 3, 3, 3)).astype(np.float32)}, size=7)
+    g, _, shapes = prepare_graph(path, input_shape=[1, 3, 7, 7])
+    ranges = {t: (-1.0, 1.0) for t in tensors_to_calibrate(g)}
+    built = build_mace_model(g, ranges, shapes, model_name="mp", device=Device.CPU)
+    check_output_shapes(built, Device.CPU, g, shapes)  # as built: 4x4, as ONNX says
+    pool = next(op for op in built.multi_net_def.net_def[0].op if op.type == "Pooling")
+    del pool.arg[[a.name for a in pool.arg].index("padding_values")]
+    add_arg(pool, "padding_values", [0, 0])
+    with pytest.raises(MaceqError, match=r"node 'mp' \(MaxPool\): the written cpu model would compute 'y' with "
+                                         r"shape \(1, 3, 3, 4\), ONNX shape inference gives \(1, 4, 4, 4\)"):
+        check_output_shapes(built, Device.CPU, g, shapes)
