@@ -8,7 +8,10 @@ in gives a Python scalar out; an array in gives an ``np.int64`` array out.
 
 Upstream sources transcribed (cited per function):
 - gemmlowp ``fixedpoint/fixedpoint.h``: SaturatingRoundingDoublingHighMul,
-  RoundingDivideByPOT.
+  RoundingDivideByPOT, SaturatingRoundingMultiplyByPOT, FixedPoint ``operator*``,
+  exp_on_negative_values, one_over_one_plus_x_for_x_in_0_1 (the uint8 Softmax), and their
+  int16 instances with TFLite's ``SaturatingDoublingHighMul``/``SaturatingLeftShift``
+  (reference/hard_swish.h, the uint8 HardSwish).
 - TFLite ``tensorflow/lite/kernels/internal/common.h``:
   MultiplyByQuantizedMultiplier (the double-rounding build, i.e. without
   TFLITE_SINGLE_ROUNDING, as the ai-edge-litert 2.3.0 wheel is built).
@@ -42,6 +45,18 @@ __all__ = [
     "rounding_divide_by_pot",
     "multiply_by_quantized_multiplier",
     "requant_floor_terms",
+    "saturating_rounding_multiply_by_pot",
+    "fixed_point_mul",
+    "exp_on_interval_between_negative_one_quarter_and_0_excl",
+    "exp_on_negative_values",
+    "one_over_one_plus_x_for_x_in_0_1",
+    "count_leading_zeros32",
+    "wrap_int16",
+    "c_div_trunc",
+    "srdhm16",
+    "sdhm16",
+    "rdbp16",
+    "sat_lshift16",
 ]
 
 
@@ -309,3 +324,190 @@ def requant_floor_terms(quantized_multiplier: int, shift: int, out_zp: int = 0) 
     c0 = (1 << 30) + (1 << (e - 1)) * (1 << 31) + zp * (1 << k)
     theta = None if q == 0 else -((1 << 30) // q)
     return k, c0, theta
+
+
+# ----------------------------------------------------------------------------------------------
+# gemmlowp fixed-point functions on int32 raw values (np.int64 carriers; Python ints work too)
+# ----------------------------------------------------------------------------------------------
+
+def saturating_rounding_multiply_by_pot(x, exponent: int):
+    """Contract: gemmlowp ``SaturatingRoundingMultiplyByPOT<exponent>``: x * 2^exponent.
+
+    exponent > 0: left shift saturating to int32 (|x| > 2^(31-e) - 1 saturates);
+    exponent < 0: RoundingDivideByPOT(x, -exponent); 0: x.
+    """
+    x = np.asarray(x, dtype=np.int64)
+    if exponent == 0:
+        return x
+    if exponent < 0:
+        return np.asarray(rounding_divide_by_pot(x, -exponent), dtype=np.int64)
+    threshold = (1 << (31 - exponent)) - 1
+    return np.where(x > threshold, INT32_MAX, np.where(x < -threshold, INT32_MIN, x << exponent))
+
+
+def fixed_point_mul(a, b):
+    """Contract: gemmlowp FixedPoint ``operator*`` = SaturatingRoundingDoublingHighMul on the raw values."""
+    return np.asarray(saturating_rounding_doubling_high_mul(np.asarray(a, dtype=np.int64),
+                                                            np.asarray(b, dtype=np.int64)), dtype=np.int64)
+
+
+def exp_on_interval_between_negative_one_quarter_and_0_excl(a):
+    """Contract: gemmlowp ``exp_on_interval_between_negative_one_quarter_and_0_excl``: exp(a) for a in
+    [-1/4, 0), a and result in Q0.31.
+
+    Taylor expansion around -1/8: with x = a + 1/8,
+    exp(a) = e^(-1/8) * (1 + x + x^2/2 + x^3/6 + x^4/24). Every operand is in (-1, 1) of
+    Q0.31, so products and the sums below stay inside int32 (gemmlowp's design).
+    """
+    a = np.asarray(a, dtype=np.int64)
+    constant_term = 1895147668      # exp(-1/8) in Q0.31
+    constant_1_over_3 = 715827883   # 1/3 in Q0.31
+    x = a + (1 << 28)               # + 1/8
+    x2 = fixed_point_mul(x, x)
+    x3 = fixed_point_mul(x2, x)
+    x4 = fixed_point_mul(x2, x2)
+    x4_over_4 = saturating_rounding_multiply_by_pot(x4, -2)
+    poly = saturating_rounding_multiply_by_pot(fixed_point_mul(x4_over_4 + x3, constant_1_over_3) + x2, -1)
+    return constant_term + fixed_point_mul(constant_term, x + poly)
+
+
+# (exponent, multiplier) of GEMMLOWP_EXP_BARREL_SHIFTER: exp(-2^exponent) in Q0.31.
+_EXP_BARREL = ((-2, 1672461947), (-1, 1302514674), (0, 790015084), (1, 290630308),
+               (2, 39332535), (3, 720401), (4, 242))
+
+
+def exp_on_negative_values(a, int_bits: int):
+    """Contract: gemmlowp ``exp_on_negative_values``: exp(a) for a <= 0 in Q(int_bits), result in Q0.31.
+
+    a = (a mod 1/4) - 1/4 - k/4: the first part goes through the Taylor step above, then
+    exp(-2^j) factors are multiplied in for each set bit of the remainder; inputs below -32
+    give 0 when int_bits > 5; a == 0 gives the Q0.31 maximum (One()).
+    """
+    a = np.asarray(a, dtype=np.int64)
+    frac_bits = 31 - int_bits
+    one_quarter = 1 << (frac_bits - 2)
+    a_mod_quarter_minus_one_quarter = (a & (one_quarter - 1)) - one_quarter
+    result = exp_on_interval_between_negative_one_quarter_and_0_excl(
+        saturating_rounding_multiply_by_pot(a_mod_quarter_minus_one_quarter, int_bits))  # Rescale<0>
+    remainder = a_mod_quarter_minus_one_quarter - a
+    for exponent, multiplier in _EXP_BARREL:
+        if int_bits > exponent:
+            bit = 1 << (frac_bits + exponent)
+            result = np.where((remainder & bit) != 0, fixed_point_mul(result, multiplier), result)
+    if int_bits > 5:
+        clamp = -(1 << (36 - int_bits))  # -32.0
+        result = np.where(a < clamp, 0, result)
+    return np.where(a == 0, INT32_MAX, result)
+
+
+def one_over_one_plus_x_for_x_in_0_1(a):
+    """Contract: gemmlowp ``one_over_one_plus_x_for_x_in_0_1``: 1 / (1 + a) for a in [0, 1) of Q0.31,
+    result in Q0.31 (Newton-Raphson, 3 steps).
+
+    half_denominator = RoundingHalfSum(a, One) is (1 + a) / 2 in Q0.31; x starts at
+    48/17 - 32/17 * half_denominator in Q2.29; each step x += x * (1 - d * x) (Q4 product
+    rescaled to Q2 by a saturating left shift of 2); the result x / 2 is rescaled to Q0.31
+    by a saturating left shift of 1.
+    """
+    a = np.asarray(a, dtype=np.int64)
+    s = a + INT32_MAX                           # int64 sum in RoundingHalfSum
+    half_denominator = np.where(s >= 0, (s + 1) // 2, -((-(s - 1)) // 2))  # (s + sign) / 2, truncating
+    constant_48_over_17 = 1515870810            # Q2.29
+    constant_neg_32_over_17 = -1010580540       # Q2.29
+    x = constant_48_over_17 + fixed_point_mul(half_denominator, constant_neg_32_over_17)
+    one_q2 = 1 << 29
+    for _ in range(3):
+        half_denominator_times_x = fixed_point_mul(half_denominator, x)
+        one_minus_half_denominator_times_x = one_q2 - half_denominator_times_x
+        x = x + saturating_rounding_multiply_by_pot(fixed_point_mul(x, one_minus_half_denominator_times_x), 2)
+    return saturating_rounding_multiply_by_pot(x, 1)
+
+
+def count_leading_zeros32(v: np.ndarray) -> np.ndarray:
+    """Contract: the leading zeros of positive int32 values (frexp is exact for integers below 2^53)."""
+    _, e = np.frexp(v.astype(np.float64))
+    return 32 - e.astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# int16 gemmlowp primitives for HARD_SWISH (scalar Python ints, and vectorised int64 arrays)
+# ----------------------------------------------------------------------------------------------
+# Each scalar function takes and returns Python ints holding int16 values; the C arithmetic is
+# done in int (promotion) and converted back to int16, which wraps (wrap_int16). The "_v" twins
+# compute the same on np.int64 arrays; the test checks them equal on every code.
+
+def wrap_int16(v):
+    """Contract: conversion to int16, v mod 2^16 into [-2^15, 2^15) (Python int or int64 array)."""
+    return ((v + 0x8000) & 0xFFFF) - 0x8000
+
+
+def c_div_trunc(n: int, d: int) -> int:
+    """Contract: C's ``n / d`` for d > 0, the quotient truncated toward zero."""
+    q = abs(n) // d
+    return q if n >= 0 else -q
+
+
+def srdhm16(a: int, b: int) -> int:
+    """Contract: gemmlowp ``SaturatingRoundingDoublingHighMul(int16, int16)`` (fixedpoint.h)."""
+    if a == b == -32768:
+        return 32767
+    ab = a * b                                    # |ab| <= 2^30: exact in int32
+    nudge = (1 << 14) if ab >= 0 else 1 - (1 << 14)
+    return wrap_int16(c_div_trunc(ab + nudge, 1 << 15))
+
+
+def sdhm16(a: int, b: int) -> int:
+    """Contract: TFLite ``SaturatingDoublingHighMul(int16, int16)`` (hard_swish.h): truncating, no nudge."""
+    if a == b == -32768:
+        return 32767
+    return wrap_int16(c_div_trunc(a * b, 1 << 15))
+
+
+def rdbp16(x: int, exponent: int) -> int:
+    """Contract: gemmlowp ``RoundingDivideByPOT<int16_t>`` as compiled, including exponents >= 16.
+
+    ``mask = Dup<int16_t>((1ll << exponent) - 1)`` converts to int16, so for exponent >= 16 the
+    mask is -1 (the result is then 1 for x >= 0 and -1 for x < 0); below 16 it is the usual
+    round-to-nearest, ties away from zero.
+    """
+    mask = wrap_int16((1 << exponent) - 1)
+    remainder = x & mask
+    threshold = wrap_int16((mask >> 1) + (1 if x < 0 else 0))
+    return wrap_int16((x >> exponent) + (1 if remainder > threshold else 0))
+
+
+def sat_lshift16(v: int, amount: int) -> int:
+    """Contract: TFLite ``SaturatingLeftShift(int16, amount)`` (hard_swish.h): int64 product, clamp to int16."""
+    return max(-32768, min(32767, v * (1 << amount)))
+
+
+def c_div_trunc_v(n: np.ndarray, d: int) -> np.ndarray:
+    """Contract: :func:`c_div_trunc` on np.int64 arrays."""
+    return np.where(n >= 0, n // d, -((-n) // d))
+
+
+def srdhm16_v(a: np.ndarray, b: int) -> np.ndarray:
+    """Contract: :func:`srdhm16` on np.int64 arrays."""
+    ab = a * b
+    nudge = np.where(ab >= 0, 1 << 14, 1 - (1 << 14))
+    r = wrap_int16(c_div_trunc_v(ab + nudge, 1 << 15))
+    return np.where((a == -32768) & (b == -32768), 32767, r)
+
+
+def sdhm16_v(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Contract: :func:`sdhm16` on np.int64 arrays."""
+    r = wrap_int16(c_div_trunc_v(a * b, 1 << 15))
+    return np.where((a == -32768) & (b == -32768), 32767, r)
+
+
+def rdbp16_v(x: np.ndarray, exponent: int) -> np.ndarray:
+    """Contract: :func:`rdbp16` on np.int64 arrays."""
+    mask = wrap_int16((1 << exponent) - 1)
+    remainder = x & mask
+    threshold = wrap_int16((mask >> 1) + (x < 0))
+    return wrap_int16((x >> exponent) + (remainder > threshold))
+
+
+def sat_lshift16_v(v: np.ndarray, amount: int) -> np.ndarray:
+    """Contract: :func:`sat_lshift16` on np.int64 arrays."""
+    return np.clip(v * (1 << amount), -32768, 32767)

@@ -46,6 +46,7 @@ from fractions import Fraction
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.runtime import fixedpoint as fp
 from maceq.runtime.fixedpoint import (
     multiply_by_quantized_multiplier,
     quantize_multiplier,
@@ -329,85 +330,6 @@ def tanh(x, *, in_scale: float, in_zp: int, out_scale: float = TANH_OUT_SCALE,
 
 
 # ----------------------------------------------------------------------------------------------
-# int16 gemmlowp primitives for HARD_SWISH (scalar Python ints, and vectorised int64 arrays)
-# ----------------------------------------------------------------------------------------------
-# Each scalar function takes and returns Python ints holding int16 values; the C arithmetic is
-# done in int (promotion) and converted back to int16, which wraps (_wrap16). The "_v" twins
-# compute the same on np.int64 arrays; the test checks them equal on every code.
-
-def _wrap16(v):
-    """Conversion to int16: v mod 2^16 into [-2^15, 2^15) (Python int or int64 array)."""
-    return ((v + 0x8000) & 0xFFFF) - 0x8000
-
-
-def _c_div_pot(n: int, d: int) -> int:
-    """C's ``n / d`` for d > 0: the quotient truncated toward zero."""
-    q = abs(n) // d
-    return q if n >= 0 else -q
-
-
-def _srdhm16(a: int, b: int) -> int:
-    """gemmlowp ``SaturatingRoundingDoublingHighMul(int16, int16)`` (fixedpoint.h)."""
-    if a == b == -32768:
-        return 32767
-    ab = a * b                                    # |ab| <= 2^30: exact in int32
-    nudge = (1 << 14) if ab >= 0 else 1 - (1 << 14)
-    return _wrap16(_c_div_pot(ab + nudge, 1 << 15))
-
-
-def _sdhm16(a: int, b: int) -> int:
-    """TFLite ``SaturatingDoublingHighMul(int16, int16)`` (hard_swish.h): truncating, no nudge."""
-    if a == b == -32768:
-        return 32767
-    return _wrap16(_c_div_pot(a * b, 1 << 15))
-
-
-def _rdbp16(x: int, exponent: int) -> int:
-    """gemmlowp ``RoundingDivideByPOT<int16_t>`` as compiled, including exponents >= 16.
-
-    ``mask = Dup<int16_t>((1ll << exponent) - 1)`` converts to int16, so for exponent >= 16 the
-    mask is -1 (the result is then 1 for x >= 0 and -1 for x < 0); below 16 it is the usual
-    round-to-nearest, ties away from zero.
-    """
-    mask = _wrap16((1 << exponent) - 1)
-    remainder = x & mask
-    threshold = _wrap16((mask >> 1) + (1 if x < 0 else 0))
-    return _wrap16((x >> exponent) + (1 if remainder > threshold else 0))
-
-
-def _sat_lshift16(v: int, amount: int) -> int:
-    """TFLite ``SaturatingLeftShift(int16, amount)`` (hard_swish.h): int64 product, clamp to int16."""
-    return max(-32768, min(32767, v * (1 << amount)))
-
-
-def _c_div_pot_v(n: np.ndarray, d: int) -> np.ndarray:
-    return np.where(n >= 0, n // d, -((-n) // d))
-
-
-def _srdhm16_v(a: np.ndarray, b: int) -> np.ndarray:
-    ab = a * b
-    nudge = np.where(ab >= 0, 1 << 14, 1 - (1 << 14))
-    r = _wrap16(_c_div_pot_v(ab + nudge, 1 << 15))
-    return np.where((a == -32768) & (b == -32768), 32767, r)
-
-
-def _sdhm16_v(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    r = _wrap16(_c_div_pot_v(a * b, 1 << 15))
-    return np.where((a == -32768) & (b == -32768), 32767, r)
-
-
-def _rdbp16_v(x: np.ndarray, exponent: int) -> np.ndarray:
-    mask = _wrap16((1 << exponent) - 1)
-    remainder = x & mask
-    threshold = _wrap16((mask >> 1) + (x < 0))
-    return _wrap16((x >> exponent) + (remainder > threshold))
-
-
-def _sat_lshift16_v(v: np.ndarray, amount: int) -> np.ndarray:
-    return np.clip(v * (1 << amount), -32768, 32767)
-
-
-# ----------------------------------------------------------------------------------------------
 # HARD_SWISH (activations.cc HardSwishPrepare, reference/hard_swish.h)
 # ----------------------------------------------------------------------------------------------
 
@@ -468,8 +390,8 @@ class _Int16Ops:
     sat_lshift: object
 
 
-_SCALAR16 = _Int16Ops(_srdhm16, _sdhm16, _rdbp16, _sat_lshift16)
-_VECTOR16 = _Int16Ops(_srdhm16_v, _sdhm16_v, _rdbp16_v, _sat_lshift16_v)
+_SCALAR16 = _Int16Ops(fp.srdhm16, fp.sdhm16, fp.rdbp16, fp.sat_lshift16)
+_VECTOR16 = _Int16Ops(fp.srdhm16_v, fp.sdhm16_v, fp.rdbp16_v, fp.sat_lshift16_v)
 
 
 def _hard_swish_arith(input_value, p: HardSwishParams, ops: _Int16Ops):
@@ -491,7 +413,7 @@ def _hard_swish_arith(input_value, p: HardSwishParams, ops: _Int16Ops):
     reluish = (reluish + (1 << 15)) >> 1         # [-2^15, 2^15) -> [0, 2^15): fits int16
     preshift_value = ops.sdhm(reluish, preshift_out)
     out = ops.rdbp(preshift_value, -p.out_exponent)
-    return _clamp_u8(_wrap16(out + p.out_zp))   # int16 += int32 converts back to int16 (wraps)
+    return _clamp_u8(fp.wrap_int16(out + p.out_zp))   # int16 += int32 converts back to int16 (wraps)
 
 
 def _hard_swish_lut_v(p: HardSwishParams) -> np.ndarray:

@@ -61,6 +61,11 @@ def fmaf(a, b, c) -> np.ndarray:
         return np.asarray(s).astype(F32)
 
 
+def roundf(d: np.ndarray) -> np.ndarray:
+    """C ``roundf`` on float32 values widened to float64, as float64 (exact: |d| + 0.5 needs at most 25 bits)."""
+    return np.copysign(np.floor(np.abs(d) + 0.5), d)
+
+
 def mul_add(acc, a, b) -> np.ndarray:
     """Unfused ``acc + a*b``: a rounded float32 product, then a rounded float32 add."""
     return np.asarray(acc, dtype=F32) + np.asarray(a, dtype=F32) * np.asarray(b, dtype=F32)
@@ -203,3 +208,14 @@ def f32_bits(x: float) -> int:
 
 def bits_f32(u: int) -> float:
     return struct.unpack("<f", struct.pack("<I", u & 0xFFFFFFFF))[0]
+
+
+def c_roundf(x: float) -> float:
+    """libm ``roundf`` on one value: nearest integer, ties away from zero (returned as a float)."""
+    x = float(x)  # a float32 widens exactly
+    if math.isnan(x) or math.isinf(x):
+        return x
+    t = math.trunc(x)
+    if abs(x - t) >= 0.5:
+        t += 1 if x > 0 else -1
+    return float(t)

@@ -42,8 +42,6 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from maceq.errors import MaceqError
-from maceq.runtime.kernels import jit
-from maceq.runtime.kernels.cfloat import fmaf as _fmaf  # float32 FMA, shared with the float kernels
 from maceq.runtime.fixedpoint import (
     INT32_MAX,
     INT32_MIN,
@@ -52,6 +50,8 @@ from maceq.runtime.fixedpoint import (
     round_half_away,
     wrap_int32,
 )
+from maceq.runtime.kernels import jit
+from maceq.runtime.kernels.cfloat import fmaf as _fmaf  # float32 FMA, shared with the float kernels
 
 __all__ = [
     "FloatRequant",

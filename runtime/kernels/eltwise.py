@@ -53,12 +53,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from maceq.errors import MaceqError
-from maceq.runtime.kernels import jit
+from maceq.runtime import fixedpoint as fp
 from maceq.runtime.fixedpoint import (
     quantize_multiplier,
     rounding_divide_by_pot,
     saturating_rounding_doubling_high_mul,
 )
+from maceq.runtime.kernels import jit
 
 LEFT_SHIFT = 20
 NEON_BLOCK = 8  # uint8x8 lanes per NEON iteration
@@ -112,10 +113,6 @@ def _prepare(a, b):
     return a, b_full
 
 
-def _wrap16(v: int) -> int:
-    return ((v + 0x8000) & 0xFFFF) - 0x8000
-
-
 def eltwise_add_ref(a, b, *, a_scale: float, a_zp: int, b_scale: float, b_zp: int,
                     out_scale: float, out_zp: int, subtract: bool = False,
                     act_min: int = 0, act_max: int = 255) -> np.ndarray:
@@ -136,7 +133,7 @@ def eltwise_add_ref(a, b, *, a_scale: float, a_zp: int, b_scale: float, b_zp: in
             y = srdhm(y, p.b_multiplier) >> -p.b_shift
             r = x - y if subtract else x + y
             r = rdbp(srdhm(r, p.out_multiplier), -p.out_shift)
-            v = _wrap16(_wrap16(r) + p.out_zp)           # vmovn_s32, vaddq_s16
+            v = fp.wrap_int16(fp.wrap_int16(r) + p.out_zp)           # vmovn_s32, vaddq_s16
             v = min(255, max(0, v))                      # vqmovun_s16
         else:
             x = rdbp(srdhm(x, p.a_multiplier), -p.a_shift)

@@ -46,28 +46,26 @@ half away; ``fast_roundf`` is ``convert_sf2w`` (nearest-even, saturate). int32 o
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from fractions import Fraction
 
 import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.runtime.kernels.cfloat import (
     INF,
-    f32,
-    fadd,
-    fsub,
-    fmul,
-    fdiv,
-    i2f,
-    fminf,
-    fmaxf,
-    f32_from_fraction,
-    fmaf_exact,
-    f32_bits,
     bits_f32,
+    c_roundf,
+    f32,
+    f32_bits,
+    fadd,
+    fdiv,
+    fmaf_exact,
+    fmaxf,
+    fminf,
+    fmul,
+    fsub,
+    i2f,
 )
 
 INT32_MIN = -(1 << 31)
@@ -152,16 +150,6 @@ def c_trunc_i32(x: float) -> int:
     if x <= -2147483648.0:
         return INT32_MIN
     return int(x)
-
-
-def c_roundf(x: float) -> float:
-    """libm ``roundf``: nearest integer, ties away from zero (returned as a float)."""
-    if math.isnan(x) or math.isinf(x):
-        return x
-    t = math.trunc(x)
-    if abs(x - t) >= 0.5:
-        t += 1 if x > 0 else -1
-    return float(t)
 
 
 def roundf_i32(x: float) -> int:

@@ -37,6 +37,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.runtime.kernels import jit
+from maceq.runtime.kernels.cfloat import c_roundf, roundf
 
 _F32 = np.float32
 # MACE's NEON quantize processes whole blocks of 16 floats; the rest go through the scalar loop.
@@ -97,7 +98,7 @@ def adjust_range(in_min: float, in_max: float, *, non_zero: bool = False) -> tup
     k_eps = _F32(1e-6)
     if out_min < -k_eps and out_max > k_eps:
         quantized_zero = _F32(-out_min / scale)
-        zp = int(_roundf(quantized_zero))
+        zp = int(c_roundf(quantized_zero))
         if non_zero and abs(_F32(quantized_zero - _F32(zp))) > k_eps:
             zp = int(math.ceil(float(quantized_zero)))
     elif out_min > -k_eps:
@@ -105,14 +106,6 @@ def adjust_range(in_min: float, in_max: float, *, non_zero: bool = False) -> tup
     else:
         zp = 255
     return float(scale), zp
-
-
-def _roundf(v: np.float32) -> float:
-    """C ``roundf`` on one float32: nearest integer, halves away from zero (exact, in float64)."""
-    d = float(v)  # float32 -> float64 is exact, so floor(|d| + 0.5) below is exact too
-    if math.isnan(d) or math.isinf(d):
-        return d
-    return math.copysign(math.floor(abs(d) + 0.5), d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +157,7 @@ def quantize_neon_ref(x, *, scale: float, zero_point: int) -> np.ndarray:
                 out[i] = _saturate_u8_from_int_like(math.trunc(d) if math.isfinite(d) else d)
             else:
                 t = _F32(zp_f + _F32(recip * flat[i]))
-                out[i] = _saturate_u8_from_int_like(_roundf(t))
+                out[i] = _saturate_u8_from_int_like(c_roundf(t))
     return out.reshape(v.shape)
 
 
@@ -187,13 +180,8 @@ def quantize_neon(x, *, scale: float, zero_point: int) -> np.ndarray:
         body = (flat[:body_end] * recip).astype(np.float32) + vzero  # two float32 roundings
         out[:body_end] = _clamp_u8(np.trunc(body.astype(np.float64)))
         tail = (_F32(zero_point) + (recip * flat[body_end:]).astype(np.float32)).astype(np.float32)
-        out[body_end:] = _clamp_u8(_round_half_away(tail.astype(np.float64)))
+        out[body_end:] = _clamp_u8(roundf(tail.astype(np.float64)))
     return out.reshape(v.shape)
-
-
-def _round_half_away(d: np.ndarray) -> np.ndarray:
-    """roundf on float32 values widened to float64 (exact: |d| + 0.5 needs at most 25 bits)."""
-    return np.copysign(np.floor(np.abs(d) + 0.5), d)
 
 
 def _clamp_u8(d: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ Depth >= 32 (gemmlowp fixed point, 6 integer bits for the scaled input, 12 for t
     limit   = -((2^31 - 1) / scale_q)                             # C division
     for delta >= limit: sum += Rescale<12>(exp_on_negative_values<6>(scale_q * delta))
     lz = clz(sum); tail = 12 - lz
-    recip = one_over_one_plus_x_for_x_in_0_1((sum << lz) - 2^31)
+    recip = fp.one_over_one_plus_x_for_x_in_0_1((sum << lz) - 2^31)
     out = clamp(RoundingDivideByPOT(srdhm(recip, exp<6>(scale_q * delta)), tail + 23), 0, 255)
 
 The fixed path produces p * 256 (TFLite's output convention) although the output tensor
@@ -43,9 +43,8 @@ import ctypes.util
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.runtime import fixedpoint as fp
 from maceq.runtime.fixedpoint import (
-    INT32_MAX,
-    INT32_MIN,
     rounding_divide_by_pot,
     saturating_rounding_doubling_high_mul,
     wrap_int32,
@@ -67,107 +66,6 @@ _expf.argtypes = [ctypes.c_float]
 def expf(v) -> np.float32:
     """The C library's float ``expf`` on one float32 value."""
     return _F32(_expf(float(_F32(v))))
-
-
-# ----------------------------------------------------------------------------------------------
-# gemmlowp fixed-point functions on int32 raw values (np.int64 carriers; Python ints work too)
-# ----------------------------------------------------------------------------------------------
-
-def saturating_rounding_multiply_by_pot(x, exponent: int):
-    """gemmlowp ``SaturatingRoundingMultiplyByPOT<exponent>``: x * 2^exponent.
-
-    exponent > 0: left shift saturating to int32 (|x| > 2^(31-e) - 1 saturates);
-    exponent < 0: RoundingDivideByPOT(x, -exponent); 0: x.
-    """
-    x = np.asarray(x, dtype=np.int64)
-    if exponent == 0:
-        return x
-    if exponent < 0:
-        return np.asarray(rounding_divide_by_pot(x, -exponent), dtype=np.int64)
-    threshold = (1 << (31 - exponent)) - 1
-    return np.where(x > threshold, INT32_MAX, np.where(x < -threshold, INT32_MIN, x << exponent))
-
-
-def _mul(a, b):
-    """FixedPoint ``operator*``: SaturatingRoundingDoublingHighMul on the raw values."""
-    return np.asarray(saturating_rounding_doubling_high_mul(np.asarray(a, dtype=np.int64),
-                                                            np.asarray(b, dtype=np.int64)), dtype=np.int64)
-
-
-def exp_on_interval_between_negative_one_quarter_and_0_excl(a):
-    """gemmlowp: exp(a) for a in [-1/4, 0), a and result in Q0.31.
-
-    Taylor expansion around -1/8: with x = a + 1/8,
-    exp(a) = e^(-1/8) * (1 + x + x^2/2 + x^3/6 + x^4/24). Every operand is in (-1, 1) of
-    Q0.31, so products and the sums below stay inside int32 (gemmlowp's design).
-    """
-    a = np.asarray(a, dtype=np.int64)
-    constant_term = 1895147668      # exp(-1/8) in Q0.31
-    constant_1_over_3 = 715827883   # 1/3 in Q0.31
-    x = a + (1 << 28)               # + 1/8
-    x2 = _mul(x, x)
-    x3 = _mul(x2, x)
-    x4 = _mul(x2, x2)
-    x4_over_4 = saturating_rounding_multiply_by_pot(x4, -2)
-    poly = saturating_rounding_multiply_by_pot(_mul(x4_over_4 + x3, constant_1_over_3) + x2, -1)
-    return constant_term + _mul(constant_term, x + poly)
-
-
-# (exponent, multiplier) of GEMMLOWP_EXP_BARREL_SHIFTER: exp(-2^exponent) in Q0.31.
-_EXP_BARREL = ((-2, 1672461947), (-1, 1302514674), (0, 790015084), (1, 290630308),
-               (2, 39332535), (3, 720401), (4, 242))
-
-
-def exp_on_negative_values(a, int_bits: int):
-    """gemmlowp ``exp_on_negative_values``: exp(a) for a <= 0 in Q(int_bits), result in Q0.31.
-
-    a = (a mod 1/4) - 1/4 - k/4: the first part goes through the Taylor step above, then
-    exp(-2^j) factors are multiplied in for each set bit of the remainder; inputs below -32
-    give 0 when int_bits > 5; a == 0 gives the Q0.31 maximum (One()).
-    """
-    a = np.asarray(a, dtype=np.int64)
-    frac_bits = 31 - int_bits
-    one_quarter = 1 << (frac_bits - 2)
-    a_mod_quarter_minus_one_quarter = (a & (one_quarter - 1)) - one_quarter
-    result = exp_on_interval_between_negative_one_quarter_and_0_excl(
-        saturating_rounding_multiply_by_pot(a_mod_quarter_minus_one_quarter, int_bits))  # Rescale<0>
-    remainder = a_mod_quarter_minus_one_quarter - a
-    for exponent, multiplier in _EXP_BARREL:
-        if int_bits > exponent:
-            bit = 1 << (frac_bits + exponent)
-            result = np.where((remainder & bit) != 0, _mul(result, multiplier), result)
-    if int_bits > 5:
-        clamp = -(1 << (36 - int_bits))  # -32.0
-        result = np.where(a < clamp, 0, result)
-    return np.where(a == 0, INT32_MAX, result)
-
-
-def one_over_one_plus_x_for_x_in_0_1(a):
-    """gemmlowp: 1 / (1 + a) for a in [0, 1) of Q0.31, result in Q0.31 (Newton-Raphson, 3 steps).
-
-    half_denominator = RoundingHalfSum(a, One) is (1 + a) / 2 in Q0.31; x starts at
-    48/17 - 32/17 * half_denominator in Q2.29; each step x += x * (1 - d * x) (Q4 product
-    rescaled to Q2 by a saturating left shift of 2); the result x / 2 is rescaled to Q0.31
-    by a saturating left shift of 1.
-    """
-    a = np.asarray(a, dtype=np.int64)
-    s = a + INT32_MAX                           # int64 sum in RoundingHalfSum
-    half_denominator = np.where(s >= 0, (s + 1) // 2, -((-(s - 1)) // 2))  # (s + sign) / 2, truncating
-    constant_48_over_17 = 1515870810            # Q2.29
-    constant_neg_32_over_17 = -1010580540       # Q2.29
-    x = constant_48_over_17 + _mul(half_denominator, constant_neg_32_over_17)
-    one_q2 = 1 << 29
-    for _ in range(3):
-        half_denominator_times_x = _mul(half_denominator, x)
-        one_minus_half_denominator_times_x = one_q2 - half_denominator_times_x
-        x = x + saturating_rounding_multiply_by_pot(_mul(x, one_minus_half_denominator_times_x), 2)
-    return saturating_rounding_multiply_by_pot(x, 1)
-
-
-def _clz32(v: np.ndarray) -> np.ndarray:
-    """Leading zeros of positive int32 values (frexp is exact for integers below 2^53)."""
-    _, e = np.frexp(v.astype(np.float64))
-    return 32 - e.astype(np.int64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,16 +122,16 @@ def softmax_ref(x, *, in_scale: float) -> np.ndarray:
         for v in row:
             delta = int(v) - mx
             if delta >= limit:
-                e = int(exp_on_negative_values(scale_q * delta, INPUT_DELTA_INT_BITS))
-                sum_q = int(wrap_int32(sum_q + int(saturating_rounding_multiply_by_pot(e, -SUM_EXP_INT_BITS))))
+                e = int(fp.exp_on_negative_values(scale_q * delta, INPUT_DELTA_INT_BITS))
+                sum_q = int(wrap_int32(sum_q + int(fp.saturating_rounding_multiply_by_pot(e, -SUM_EXP_INT_BITS))))
         _check_sum(sum_q, b)
         lz = 32 - sum_q.bit_length()
         tail = SUM_EXP_INT_BITS - lz
-        recip = int(one_over_one_plus_x_for_x_in_0_1((sum_q << lz) - (1 << 31)))
+        recip = int(fp.one_over_one_plus_x_for_x_in_0_1((sum_q << lz) - (1 << 31)))
         for d, v in enumerate(row):
             delta = int(v) - mx
             if delta >= limit:
-                e = int(exp_on_negative_values(scale_q * delta, INPUT_DELTA_INT_BITS))
+                e = int(fp.exp_on_negative_values(scale_q * delta, INPUT_DELTA_INT_BITS))
                 o = rounding_divide_by_pot(saturating_rounding_doubling_high_mul(recip, e), tail + 31 - 8)
                 out[b, d] = max(min(int(o), 255), 0)
             # else: MACE leaves the element unwritten; 0 here (see module docstring)
@@ -264,9 +162,9 @@ def softmax(x, *, in_scale: float) -> np.ndarray:
         return np.trunc(p.astype(np.float64) * 255).astype(np.uint8).reshape(shape)
     scale_q, limit = fixed_point_params(in_scale)
     valid_deltas = all_deltas >= limit
-    exp_lut = np.where(valid_deltas, exp_on_negative_values(np.where(valid_deltas, scale_q * all_deltas, 0),
+    exp_lut = np.where(valid_deltas, fp.exp_on_negative_values(np.where(valid_deltas, scale_q * all_deltas, 0),
                                                             INPUT_DELTA_INT_BITS), 0)
-    term_lut = saturating_rounding_multiply_by_pot(exp_lut, -SUM_EXP_INT_BITS)  # Rescale<12>
+    term_lut = fp.saturating_rounding_multiply_by_pot(exp_lut, -SUM_EXP_INT_BITS)  # Rescale<12>
     valid = delta >= limit
     e = exp_lut[delta + 255]
     # Sum of int32 adds that wrap: the total modulo 2^32 (each term < 2^19, so only past 4096).
@@ -274,9 +172,9 @@ def softmax(x, *, in_scale: float) -> np.ndarray:
     bad = np.nonzero((sum_q <= 0) | (sum_q >= (1 << 28)))[0]
     if bad.size:
         _check_sum(int(sum_q[bad[0]]), int(bad[0]))
-    lz = _clz32(sum_q)
+    lz = fp.count_leading_zeros32(sum_q)
     tail = SUM_EXP_INT_BITS - lz
-    recip = one_over_one_plus_x_for_x_in_0_1((sum_q << lz) - (1 << 31))
+    recip = fp.one_over_one_plus_x_for_x_in_0_1((sum_q << lz) - (1 << 31))
     o = rounding_divide_by_pot(saturating_rounding_doubling_high_mul(recip[:, None], e), (tail + 31 - 8)[:, None])
     o = np.where(valid, np.clip(o, 0, 255), 0)
     return o.astype(np.uint8).reshape(shape)

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from maceq.errors import MaceqError
+from maceq.runtime import fixedpoint as fp
 from maceq.runtime.fixedpoint import quantize_multiplier
 from maceq.runtime.kernels import activation as act
 from maceq.tests.oracle import tflite_builder
@@ -143,17 +144,17 @@ def test_int16_primitives_scalar_equals_vectorised():
                            rng.integers(-32768, 32768, 300)]).astype(np.int64)
     mults = [-32768, -1, 0, 1, 16384, 32767] + [int(m) for m in rng.integers(-32768, 32768, 10)]
     for b in mults:
-        assert [act._srdhm16(int(a), b) for a in vals] == act._srdhm16_v(vals, b).tolist()
+        assert [fp.srdhm16(int(a), b) for a in vals] == fp.srdhm16_v(vals, b).tolist()
         bb = np.full_like(vals, b)
-        assert [act._sdhm16(int(a), b) for a in vals] == act._sdhm16_v(vals, bb).tolist()
+        assert [fp.sdhm16(int(a), b) for a in vals] == fp.sdhm16_v(vals, bb).tolist()
     for e in range(0, 32):
-        assert [act._rdbp16(int(a), e) for a in vals] == act._rdbp16_v(vals, e).tolist()
+        assert [fp.rdbp16(int(a), e) for a in vals] == fp.rdbp16_v(vals, e).tolist()
     for e in range(0, 31):
-        assert [act._sat_lshift16(int(a), e) for a in vals] == act._sat_lshift16_v(vals, e).tolist()
+        assert [fp.sat_lshift16(int(a), e) for a in vals] == fp.sat_lshift16_v(vals, e).tolist()
     # int16 RoundingDivideByPOT: ties away from zero below 16; the Dup<int16> mask wraps to -1
     # from exponent 16 on, which gives +1 / -1 (the TFLite oracle above exercises exponent 20).
-    assert [act._rdbp16(v, 1) for v in (-3, -1, 1, 3)] == [-2, -1, 1, 2]
-    assert [act._rdbp16(v, 16) for v in (-5, -1, 0, 5)] == [-1, -1, 1, 1]
+    assert [fp.rdbp16(v, 1) for v in (-3, -1, 1, 3)] == [-2, -1, 1, 2]
+    assert [fp.rdbp16(v, 16) for v in (-5, -1, 0, 5)] == [-1, -1, 1, 1]
 
 
 # ---------------------------------------------------------------------------------------------
