@@ -237,7 +237,12 @@ def _device_forms(built, device: Device, *, safe: bool) -> dict:
         return {}
     if not safe:
         return {"deviations": defects}
-    forms, cost = make_safe(built, device, defects)
-    return {"safe_forms": [{"op": f.op, "reason": f.reason, "pad_op": f.pad_op} for f in forms],
-            "safe_form_cost": cost.describe()}
+    forms, cost, kept = make_safe(built, device, defects)
+    out = {}
+    if forms:
+        out = {"safe_forms": [{"op": f.op, "reason": f.reason, "pad_op": f.pad_op} for f in forms],
+               "safe_form_cost": cost.describe()}
+    if kept:
+        out["deviations"] = kept  # no safe form covers these: the device computes them differently
+    return out
 

@@ -1,17 +1,22 @@
 """Rewrite ops that the device computes wrongly into an equivalent form it computes right.
 
-The one case known today (docs/semantics.md, "the 3x3 fast path"): a uint8 3x3 depthwise
-convolution with padding 1 that takes TFLite's aarch64 fast path on MACE's CPU runtime while
-its last window does not hang one position past the input (stride 2 on an even size). The
-device then computes the last output row and column from a shifted or truncated window.
+The cases known today (docs/semantics.md):
+
+- cpu, "the 3x3 fast path": a uint8 3x3 depthwise convolution with padding 1 that takes TFLite's
+  aarch64 fast path on MACE's CPU runtime while its last window does not hang one position past
+  the input (stride 2 on an even size). The device then computes the last output row and column
+  from a shifted or truncated window.
+- dsp, "Geometry": a convolution or pooling whose explicit pads put an odd total after the input
+  (TensorFlow's SAME): MACE's Hexagon converter runs it SAME_CAFFE, with the pad before the input.
 
 The safe form is an explicit uint8 ``Pad`` (MACE registers one for the CPU with quantization on,
-mace/ops/pad.cc: CONSTANT mode, NHWC ``paddings``, the fill code ``Quantize<uint8_t>(0.0f)`` =
-the input's zero point, output scale and zero point = the input's) followed by the same
-depthwise convolution with ``padding_values`` [0, 0]. With no padding the fast path's
-windows all lie inside the input and every output is the model's convolution. The function is
-the same; the cost is one copy of the padded input per rewritten op (counted in
-:class:`SafeFormCost`).
+mace/ops/pad.cc: CONSTANT mode, NHWC ``paddings``, output scale and zero point = the input's; the
+Hexagon converter makes it QuantizedPad_8) followed by the same op with ``padding_values`` [0, 0].
+The fill is the real 0 (the zero point) for a convolution and the input range's minimum (code 0)
+for a max pooling. With no padding every window lies inside the input and every output is the
+model's. The function is the same; the cost is one copy of the padded input per rewritten op
+(counted in :class:`SafeFormCost`). An average pooling has no safe form (the pad would enter its
+divisor): it stays, and is reported as a deviation.
 
 Which ops to rewrite is decided by the runtime itself (``Model.deviations``) on the built
 model, so the writer and the simulation cannot disagree; an op whose input range is found per
@@ -27,7 +32,7 @@ import numpy as np
 from maceq.errors import MaceqError
 from maceq.mace import mace_pb2
 from maceq.mace.cost import net_macs
-from maceq.mace.enums import DataType
+from maceq.mace.enums import DataType, PoolingType
 from maceq.mace.format import LoadedModel, add_arg, get_arg
 from maceq.runtime.model import Model
 from maceq.runtime.profiles import Device, get_profile
@@ -116,27 +121,43 @@ def _producer_qinfo(net, tensor: str):
     return None
 
 
-def _pad_op(net, dw, in_shape) -> tuple[object, tuple[int, ...]]:
-    """A uint8 CONSTANT Pad of the depthwise op's input by its own padding, and the padded shape."""
-    ph, pw = (list(get_arg(dw, "padding_values", [0, 0])) + [0, 0])[:2]
+def _pad_value(net, op) -> float:
+    """The constant the explicit Pad fills with, in real units: 0 for a convolution (the zero point),
+    the input range's minimum (code 0) for a max pooling, where a pad must never win the max."""
+    if op.type != "Pooling":
+        return 0.0
+    qi = _producer_qinfo(net, op.input[0])
+    return float(qi.minval) if qi is not None else 0.0
+
+
+def has_safe_form(op) -> bool:
+    """Whether an op has a safe form: a convolution, or a max pooling (an average pooling's divisor
+    would count the explicit pad)."""
+    return op.type in ("Conv2D", "DepthwiseConv2d") or (
+        op.type == "Pooling" and int(get_arg(op, "pooling_type", 0) or 0) == PoolingType.MAX)
+
+
+def _pad_op(net, op, in_shape) -> tuple[object, tuple[int, ...]]:
+    """A uint8 CONSTANT Pad of the op's input by the op's own padding, and the padded shape."""
+    ph, pw = (list(get_arg(op, "padding_values", [0, 0])) + [0, 0])[:2]
     top, left = ph >> 1, pw >> 1
     bottom, right = ph - top, pw - left
     n, h, w, c = in_shape
     padded = (n, h + top + bottom, w + left + right, c)
     pad = mace_pb2.OperatorDef()
-    pad.name = dw.name + PAD_SUFFIX
+    pad.name = op.name + PAD_SUFFIX
     pad.type = "Pad"
-    pad.input.append(dw.input[0])
-    pad.output.append(dw.input[0] + PAD_SUFFIX + "_" + dw.name)
+    pad.input.append(op.input[0])
+    pad.output.append(op.input[0] + PAD_SUFFIX + "_" + op.name)
     add_arg(pad, "T", DataType.DT_UINT8)
-    for a in dw.arg:
+    for a in op.arg:
         if a.name in ("framework_type", "data_format"):
             pad.arg.add().CopyFrom(a)
     add_arg(pad, "paddings", [0, 0, top, bottom, left, right, 0, 0])
     add_arg(pad, "pad_type", 0)
-    add_arg(pad, "constant_value", 0.0)
+    add_arg(pad, "constant_value", _pad_value(net, op))
     pad.output_shape.add().dims.extend(padded)
-    qi = _producer_qinfo(net, dw.input[0])
+    qi = _producer_qinfo(net, op.input[0])
     if qi is not None:
         pad.quantize_info.add().CopyFrom(qi)
     return pad, padded
@@ -151,8 +172,8 @@ def apply_safe_forms(net, defects: dict[str, str], shape_of) -> list[SafeForm]:
     out, done = [], []
     for op in ops:
         if op.name in defects:
-            if op.type != "DepthwiseConv2d":
-                raise MaceqError(f"op '{op.name}' ({op.type}): no safe form is known for this op type")
+            if not has_safe_form(op):
+                raise MaceqError(f"op '{op.name}' ({op.type}): no safe form is known for this op")
             in_shape = shape_of(op.input[0])
             if in_shape is None or len(in_shape) != 4:
                 raise MaceqError(f"op '{op.name}': the shape of its input '{op.input[0]}' is unknown")
@@ -191,21 +212,26 @@ def cost(before: list, after: list, arrays, forms: list[SafeForm]) -> SafeFormCo
 
 
 def make_safe(built, device: Device, defects: dict[str, str] | None = None
-              ) -> tuple[list[SafeForm], SafeFormCost | None]:
+              ) -> tuple[list[SafeForm], SafeFormCost | None, dict[str, str]]:
     """Find (unless given) and rewrite the ops of a BuiltModel that ``device`` computes wrongly; checks the result.
 
-    Returns the rewrites and their cost (None when nothing was rewritten).
+    Returns the rewrites, their cost (None when nothing was rewritten) and the deviations no safe
+    form covers (op name -> reason: an average pooling), which the model keeps and the caller reports.
     """
     model = in_memory_model(built.multi_net_def, built.arrays, device)
     if defects is None:
         defects = find_defects(model, device)
-    if not defects:
-        return [], None
     net = built.multi_net_def.net_def[0]
+    ops = {op.name: op for op in net.op}
+    kept = {n: why for n, why in defects.items() if not has_safe_form(ops[n])}
+    todo = {n: why for n, why in defects.items() if n not in kept}
+    if not todo:
+        return [], None, kept
     before = [mace_pb2.OperatorDef.FromString(op.SerializeToString()) for op in net.op]
-    forms = apply_safe_forms(net, defects, lambda t: _shape_of(model, t))
-    left = find_defects(in_memory_model(built.multi_net_def, built.arrays, device), device)
+    forms = apply_safe_forms(net, todo, lambda t: _shape_of(model, t))
+    left = {n: why for n, why in find_defects(in_memory_model(built.multi_net_def, built.arrays, device),
+                                              device).items() if n not in kept}
     if left:
         name, why = next(iter(left.items()))
         raise MaceqError(f"op '{name}': still computed differently from the model after the rewrite ({why})")
-    return forms, cost(before, list(net.op), built.arrays, forms)
+    return forms, cost(before, list(net.op), built.arrays, forms), kept

@@ -78,6 +78,27 @@ def conv_padding(p, in_hw) -> R.Padding:
     return K.mace_padding_mode(in_hw=in_hw, out_hw=out_hw, kernel=p.kernel, strides=p.strides)
 
 
+def padding_deviation(p, in_shape) -> str | None:
+    """How the nnlib padding MACE's Hexagon converter picks for a conv / pooling op departs from the
+    op's own pads on an NHWC input of ``in_shape``, or None. Only explicit pads (ONNX, Caffe) can
+    depart: the converter keeps the output size but places an odd total pad SAME_CAFFE-style, more
+    before the input (nnlib's nn_pad_compute_outsize_padding), where TensorFlow-style pads put it after."""
+    if p.padding is not None or in_shape is None or len(in_shape) != 4:
+        return None
+    in_hw = tuple(int(v) for v in in_shape[1:3])
+    try:
+        mode = conv_padding(p, in_hw)
+    except MaceqError:
+        return None
+    device = tuple(R.pad_outsize_before_after(n, k, s, mode)[1] for n, k, s in zip(in_hw, p.kernel, p.strides))
+    model = (p.pads[0], p.pads[1])
+    if device == model:
+        return None
+    return (f"MACE's Hexagon converter runs it with nnlib padding {mode.name} on input {in_hw[0]}x{in_hw[1]}: "
+            f"{device[0]} row(s) and {device[1]} column(s) before the input where the model pads "
+            f"{model[0]} and {model[1]}, so every window is shifted")
+
+
 def _bias(inputs, n_out: int):
     """(codes, min, max) of the bias input, or MACE's add_bias (zeros over [0, 0]) when there is none."""
     if len(inputs) > 2:
@@ -220,6 +241,9 @@ class DspConcat(Kernel):
                                        in_ranges=[rng(t.qinfo) for t in inputs])
         return [QTensor(y, qinfo_of_range(mn, mx))]
 
+    def deviation(self, params, in_shapes) -> str | None:
+        return padding_deviation(params, in_shapes[0])
+
 
 @dataclass(frozen=True)
 class DspPoolParams:
@@ -246,6 +270,42 @@ class DspPooling(Kernel):
         if (mn, mx) == (R.f32(lo), R.f32(hi)):
             return [QTensor(y, x.qinfo)]
         return [QTensor(y, qinfo_of_range(mn, mx))]  # avgpool to 1x1 finds its range from the data
+
+    def deviation(self, params, in_shapes) -> str | None:
+        return padding_deviation(params, in_shapes[0])
+
+
+@dataclass(frozen=True)
+class DspPadParams:
+    paddings: tuple[int, ...]  # MACE's NHWC (before, after) pairs
+    value: np.float32  # the constant, in real units
+
+
+@register("Pad", device=DSP)
+class DspPad(Kernel):
+    """MACE's Hexagon converter turns a CONSTANT uint8 Pad into QuantizedPad_8 (convert_pad), with the
+    input's range. nnlib's fill code (op_pad.c): ``roundf_i32(255.0f * (value - in_min) / (in_max -
+    in_min))`` in float32, 0 for -inf and 255 for +inf; a finite value outside the range is an error.
+    The output keeps the input's range."""
+
+    def prepare(self, op: RtOp, in_q, ctx) -> DspPadParams:
+        pads = tuple(int(v) for v in op.require("paddings"))
+        if len(pads) != 8 or min(pads) < 0 or int(op.arg("pad_type", 0)) != 0:
+            raise MaceqError(f"op '{op.name}': QuantizedPad_8 takes 8 non-negative CONSTANT paddings, got {list(pads)}")
+        return DspPadParams(pads, np.float32(op.arg("constant_value", 0.0)))
+
+    def run(self, prepared, inputs):
+        p, x = prepared.params, inputs[0]
+        lo, hi = (R.f32(v) for v in rng(x.qinfo))
+        v = float(p.value)
+        if np.isinf(v):
+            code = 0 if v < 0 else 255
+        elif not lo <= v <= hi:
+            raise MaceqError(f"op '{prepared.op.name}': nnlib: pad value {v} is outside the input range ({lo}, {hi})")
+        else:
+            code = R.roundf_i32(R.fdiv(R.fmul(255.0, R.fsub(v, lo)), R.fsub(hi, lo)))
+        pairs = [(p.paddings[2 * i], p.paddings[2 * i + 1]) for i in range(4)]
+        return [QTensor(np.pad(x.values, pairs, mode="constant", constant_values=np.uint8(code)), x.qinfo)]
 
 
 @dataclass(frozen=True)

@@ -64,14 +64,39 @@ def test_detection_head_of_transposed_and_reshaped_outputs_concatenated(tmp_path
 
 
 def test_maxpool_same_upper_keeps_its_padding(tmp_path):
+    """7x7, window 2, stride 2, SAME_UPPER: one padding row and column after the input. MACE's Hexagon
+    converter would run it SAME_CAFFE (the pad before the input): the dsp model gets an explicit Pad."""
     rng = np.random.default_rng(3)
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="c"),
              helper.make_node("MaxPool", ["c"], ["y"], kernel_shape=[2, 2], strides=[2, 2], auto_pad="SAME_UPPER",
                               name="mp")]
     path = _save(tmp_path / "mp.onnx", nodes, {"w": rng.normal(0, .4, (4, 3, 3, 3)).astype(np.float32)}, size=7)
-    res = _check_all_devices(tmp_path, path, 7, tol=0.05, devices=("cpu", "gpu"))
+    res = _check_all_devices(tmp_path, path, 7, tol=0.05)
     sub = next(iter(load(res.per_device["cpu"].yml).deployment["models"].values()))["subgraphs"][0]
     assert sub["output_shapes"] == ["1,4,4,4"]  # the .yml declares the 4x4 output the graph computes
+    assert res.device_forms["cpu"] == {} and res.device_forms["gpu"] == {}
+    (form,) = res.device_forms["dsp"]["safe_forms"]
+    assert "SAME_CAFFE" in form["reason"] and "1 row(s) and 1 column(s) before the input" in form["reason"]
+    dsp = load(res.per_device["dsp"].yml)
+    assert [op.type for op in dsp.ops] == ["Quantize", "Conv2D", "Pad", "Pooling", "Dequantize"]
+    assert dsp.deviations("dsp") == {} and all(where == "dsp" for where, _ in dsp.placement("dsp").values())
+
+
+def test_an_average_pool_the_dsp_pads_differently_is_kept_and_reported(tmp_path):
+    """No safe form for an average pooling (an explicit pad would enter its divisor): the dsp model
+    keeps the op, its .yml lists the deviation, and the simulation predicts the shifted windows."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="c"),
+             helper.make_node("AveragePool", ["c"], ["y"], kernel_shape=[2, 2], strides=[2, 2],
+                              auto_pad="SAME_UPPER", name="ap")]
+    path = _save(tmp_path / "ap.onnx", nodes, {"w": rng.normal(0, .4, (4, 3, 3, 3)).astype(np.float32)}, size=7)
+    res = _check_all_devices(tmp_path, path, 7, tol=0.05, devices=("cpu", "gpu"))
+    res = quantize(path, tmp_path / "imgs", output_dir=tmp_path / "dsp", preprocess=Preprocess(resize=(7, 7), scale=1 / 255),
+                   progress=False, devices=("dsp",))
+    (why,) = res.device_forms["dsp"]["deviations"].values()
+    assert "SAME_CAFFE" in why
+    dsp = load(res.per_device["dsp"].yml)
+    assert dsp.maceq_meta["deviations"] and list(dsp.deviations("dsp").values()) == [why]
 
 
 @pytest.mark.parametrize("batch", [1, "N"])
