@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -114,8 +115,33 @@ def _run_cli(fn, argv):
 
 
 # -- quantize ------------------------------------------------------------------------
-def _quantize(argv) -> int:
+@dataclass(frozen=True)
+class _QuantizeOptions:
+    """What ``quantize`` derives from its arguments before any long work starts."""
 
+    config: QuantConfig
+    pre: Preprocess
+    input_shape: list[int] | None
+    name: str
+    out: Path
+    devices: tuple[str, ...]
+    extra_meta: dict
+
+
+def _quantize(argv) -> int:
+    """``quantize``: check the arguments, quantize, print a summary, evaluate; the exit status."""
+    args = _quantize_parser().parse_args(argv)
+    opts = _quantize_options(args)
+    if args.accuracy_budget is not None:
+        return _auto_mixed(args, opts.out, opts.pre, opts.config, opts.input_shape, opts.name, opts.extra_meta,
+                           opts.devices)
+    res = _run_quantize(args, opts)
+    _print_quantize_summary(args.model, res)
+    return _evaluate_quantized(args, opts, res)
+
+
+def _quantize_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``quantize``."""
     p = argparse.ArgumentParser(prog="quantize", description="Quantize an ONNX model to a uint8 MACE model and "
                                 "simulate it bit-exactly. With no model, quantizes the embedded Fashion-MNIST demo.")
     p.add_argument("model", nargs="?", help="float ONNX model (default: the embedded demo model)")
@@ -124,29 +150,10 @@ def _quantize(argv) -> int:
     p.add_argument("--config", help="YAML quantization config (range methods, per-layer overrides, ...)")
     p.add_argument("--range-method", choices=[m.value for m in RangeMethod], help="activation range method")
     p.add_argument("--percentile", type=float, help="percentile for --range-method percentile (default 99.99)")
-    r = p.add_argument_group("accuracy recovery (docs/recovery.md)")
-    r.add_argument("--recipe", help="named set of the switches below: default, accurate (quant/recipes.py); "
-                   "explicit flags and config keys win over it")
-    r.add_argument("--cle", action=argparse.BooleanOptionalAction, default=None,
-                   help="cross-layer equalization of the float graph before calibration")
-    r.add_argument("--high-bias-absorption", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --cle: move high biases into the next layer")
-    r.add_argument("--bias-correction", action=argparse.BooleanOptionalAction, default=None,
-                   help="empirical bias correction per device, on calibration images")
-    r.add_argument("--bias-correction-images", type=int, metavar="N",
-                   help="calibration images the bias correction measures on (default 32)")
+    _add_recovery_args(p)
     p.add_argument("--batch-size", type=int, help="calibration batch size (default 8)")
     p.add_argument("--max-images", type=int, help="use at most N calibration images")
-    par = p.add_argument_group("parallelism (docs/parallel.md)")
-    par.add_argument("--workers", type=int, metavar="N",
-                     help="calibrate on N shards at once (local processes or Ray tasks); also the number of "
-                          "mixed-precision candidates measured at once (default 1: in this process)")
-    par.add_argument("--executor", choices=["local", "ray"],
-                     help="where the shards and candidate evaluations run (default local; ray needs "
-                          "pip install 'maceq[ray]')")
-    par.add_argument("--ray-address", metavar="ADDR",
-                     help="Ray cluster for --executor ray, e.g. head:6379 or ray://head:10001 "
-                          "(default: RAY_ADDRESS, else a local Ray instance)")
+    _add_parallel_args(p)
     p.add_argument("--input-shape", help="fix the input shape, e.g. 1,3,224,224")
     p.add_argument("--eval-dir", help="after quantizing, evaluate float vs int8 on this image folder")
     p.add_argument("--labels", help="labels CSV (file,label) for --eval-dir")
@@ -159,12 +166,7 @@ def _quantize(argv) -> int:
                    help="do not write report.html/report.json beside the model (written whenever images are "
                         "evaluated: --eval-dir, the demo, or --accuracy-budget)")
     p.add_argument("--budget", help="after quantizing, check the report against this budget YAML (implies --report)")
-    g = p.add_argument_group("automatic mixed precision")
-    g.add_argument("--accuracy-budget", type=float, metavar="POINTS",
-                   help="largest allowed drop of top-1 agreement (or accuracy, with labels) in points; layers are "
-                        "moved to float32, most sensitive first, until it holds")
-    g.add_argument("--min-sqnr", type=float, metavar="DB", help="per-layer floor: layers under it go to float32 first")
-    g.add_argument("--max-fp32-layers", type=int, metavar="N", help="cap on the layers the search may exempt")
+    _add_mixed_precision_args(p)
     p.add_argument("--strict", action="store_true",
                    help="fail instead of running ops without a uint8 kernel in float32 (float fallback)")
     p.add_argument("--safe-forms", action=argparse.BooleanOptionalAction, default=None,
@@ -173,20 +175,80 @@ def _quantize(argv) -> int:
                         "simulation then predicts the device's deviating result)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     _add_preprocess_args(p)
-    args = p.parse_args(argv)
+    return p
 
-    demo = args.model is None
-    extra_meta = {}
-    if demo:
-        assets = default_assets()
-        args.model = str(assets / f"{DEFAULT_MODEL_NAME}.onnx")
-        args.calib_dir = args.calib_dir or str(assets / "calib")
-        args.eval_dir = args.eval_dir or str(assets / "test")
-        if not args.preset and not args.preprocess:
-            args.preset = "fmnist"
-        extra_meta["classes"] = list(FMNIST_CLASSES)
+
+def _add_recovery_args(p: argparse.ArgumentParser) -> None:
+    """The accuracy-recovery switches of ``quantize``: --recipe, --cle, bias correction."""
+    r = p.add_argument_group("accuracy recovery (docs/recovery.md)")
+    r.add_argument("--recipe", help="named set of the switches below: default, accurate (quant/recipes.py); "
+                   "explicit flags and config keys win over it")
+    r.add_argument("--cle", action=argparse.BooleanOptionalAction, default=None,
+                   help="cross-layer equalization of the float graph before calibration")
+    r.add_argument("--high-bias-absorption", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --cle: move high biases into the next layer")
+    r.add_argument("--bias-correction", action=argparse.BooleanOptionalAction, default=None,
+                   help="empirical bias correction per device, on calibration images")
+    r.add_argument("--bias-correction-images", type=int, metavar="N",
+                   help="calibration images the bias correction measures on (default 32)")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """The parallelism options of ``quantize``: --workers, --executor, --ray-address."""
+    par = p.add_argument_group("parallelism (docs/parallel.md)")
+    par.add_argument("--workers", type=int, metavar="N",
+                     help="calibrate on N shards at once (local processes or Ray tasks); also the number of "
+                          "mixed-precision candidates measured at once (default 1: in this process)")
+    par.add_argument("--executor", choices=["local", "ray"],
+                     help="where the shards and candidate evaluations run (default local; ray needs "
+                          "pip install 'maceq[ray]')")
+    par.add_argument("--ray-address", metavar="ADDR",
+                     help="Ray cluster for --executor ray, e.g. head:6379 or ray://head:10001 "
+                          "(default: RAY_ADDRESS, else a local Ray instance)")
+
+
+def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
+    """The automatic mixed precision options of ``quantize``: --accuracy-budget and its limits."""
+    g = p.add_argument_group("automatic mixed precision")
+    g.add_argument("--accuracy-budget", type=float, metavar="POINTS",
+                   help="largest allowed drop of top-1 agreement (or accuracy, with labels) in points; layers are "
+                        "moved to float32, most sensitive first, until it holds")
+    g.add_argument("--min-sqnr", type=float, metavar="DB", help="per-layer floor: layers under it go to float32 first")
+    g.add_argument("--max-fp32-layers", type=int, metavar="N", help="cap on the layers the search may exempt")
+
+
+def _quantize_options(args) -> _QuantizeOptions:
+    """Check the arguments and derive the options (the demo fills in its own model and folders); MaceqError if bad."""
+    extra_meta = _apply_demo_defaults(args) if args.model is None else {}
     if not args.calib_dir:
         raise MaceqError("--calib-dir is required when a model is given")
+    config = _quantize_config(args)
+    pre = _preprocess_from(args, config.preprocess)
+    input_shape = _csv_numbers(args.input_shape, int, what="--input-shape") if args.input_shape else None
+    name = args.name or Path(args.model).stem
+    check_model_name(name)
+    out = Path(args.output) if args.output else default_output_root() / name
+    devices = tuple(d.strip() for d in args.device.split(",") if d.strip())
+    if args.accuracy_budget is None:
+        for flag, value in (("--min-sqnr", args.min_sqnr), ("--max-fp32-layers", args.max_fp32_layers)):
+            if value is not None:
+                raise MaceqError(f"{flag} needs --accuracy-budget")
+    return _QuantizeOptions(config, pre, input_shape, name, out, devices, extra_meta)
+
+
+def _apply_demo_defaults(args) -> dict:
+    """Point ``args`` at the embedded demo model, its images and preset; the demo's extra metadata."""
+    assets = default_assets()
+    args.model = str(assets / f"{DEFAULT_MODEL_NAME}.onnx")
+    args.calib_dir = args.calib_dir or str(assets / "calib")
+    args.eval_dir = args.eval_dir or str(assets / "test")
+    if not args.preset and not args.preprocess:
+        args.preset = "fmnist"
+    return {"classes": list(FMNIST_CLASSES)}
+
+
+def _quantize_config(args) -> QuantConfig:
+    """The config file (or the defaults) with the command-line flags and the recipe applied; MaceqError if bad."""
     config = load_config(args.config) if args.config else QuantConfig()
     if args.workers is not None and args.workers < 1:
         raise MaceqError("--workers must be >= 1")
@@ -204,24 +266,21 @@ def _quantize(argv) -> int:
     config = config.with_recipe(args.recipe)
     if args.fp32:
         config = config.with_cli(fp32_layers=tuple(config.fp32_layers) + tuple(args.fp32))
-    pre = _preprocess_from(args, config.preprocess)
-    input_shape = _csv_numbers(args.input_shape, int, what="--input-shape") if args.input_shape else None
-    name = args.name or Path(args.model).stem
-    check_model_name(name)
-    out = Path(args.output) if args.output else default_output_root() / name
-    devices = tuple(d.strip() for d in args.device.split(",") if d.strip())
-    if args.accuracy_budget is None:
-        for flag, value in (("--min-sqnr", args.min_sqnr), ("--max-fp32-layers", args.max_fp32_layers)):
-            if value is not None:
-                raise MaceqError(f"{flag} needs --accuracy-budget")
-    else:
-        return _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices)
+    return config
+
+
+def _run_quantize(args, opts: _QuantizeOptions):
+    """Calibrate, quantize and write one model per device; warnings shown unless --quiet."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if args.quiet else "default")
-        res = quantize(args.model, args.calib_dir, output_dir=out, preprocess=pre, config=config,
-                       input_shape=input_shape, model_name=name, progress=not args.quiet, extra_meta=extra_meta,
-                       strict=args.strict, devices=devices)
-    print(f"quantized {args.model} for {', '.join(res.per_device)} on {res.n_calib_images} calibration images"
+        return quantize(args.model, args.calib_dir, output_dir=opts.out, preprocess=opts.pre, config=opts.config,
+                        input_shape=opts.input_shape, model_name=opts.name, progress=not args.quiet,
+                        extra_meta=opts.extra_meta, strict=args.strict, devices=opts.devices)
+
+
+def _print_quantize_summary(model: str, res) -> None:
+    """Print the written files, the recovery steps, the rewritten ops and the layers left in float32."""
+    print(f"quantized {model} for {', '.join(res.per_device)} on {res.n_calib_images} calibration images"
           + (f" ({res.n_skipped} unreadable, skipped)" if res.n_skipped else ""))
     for device, f in res.per_device.items():
         if len(res.per_device) > 1:
@@ -241,22 +300,24 @@ def _quantize(argv) -> int:
     if fallback:
         print(f"{len(fallback)} of {len(res.placement)} ops run in float32 (no uint8 kernel on the cpu device): "
               + ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8 else ""))
-    status = 0
-    if args.eval_dir:
-        classes = extra_meta.get("classes")
-        labels = args.labels or "auto"
-        data = ImageFolder(args.eval_dir, pre, labels=labels, classes=classes)
-        print(f"evaluation on {args.eval_dir}:")
-        evals = {}
-        for device, f in res.per_device.items():
-            evals[device] = result = evaluate(load(f.yml), args.model, data, device=device, progress=not args.quiet)
-            for line in result.lines():
-                print(line)
-        if args.report or args.budget:
-            status = _write_report(res.per_device, data, out, res.graph, evals, args)
-    elif args.budget:
-        raise MaceqError("--budget needs --eval-dir (the images the report measures)")
-    return status
+
+
+def _evaluate_quantized(args, opts: _QuantizeOptions, res) -> int:
+    """With --eval-dir: evaluate each device's model, then write the report and check the budget; the exit status."""
+    if not args.eval_dir:
+        if args.budget:
+            raise MaceqError("--budget needs --eval-dir (the images the report measures)")
+        return 0
+    data = ImageFolder(args.eval_dir, opts.pre, labels=args.labels or "auto", classes=opts.extra_meta.get("classes"))
+    print(f"evaluation on {args.eval_dir}:")
+    evals = {}
+    for device, f in res.per_device.items():
+        evals[device] = result = evaluate(load(f.yml), args.model, data, device=device, progress=not args.quiet)
+        for line in result.lines():
+            print(line)
+    if args.report or args.budget:
+        return _write_report(res.per_device, data, opts.out, res.graph, evals, args)
+    return 0
 
 
 def _print_device_forms(res) -> None:

@@ -213,6 +213,19 @@ def kl_threshold_index(counts: np.ndarray, *, num_quantized_bins: int) -> int:
     ``B_b`` / ``z_b`` the level's count / non-empty bins, ``O = N - C_i`` the outliers,
     ``C_i = sum(h[:i])``.
     """
+    h, nq = _kl_checked_histogram(counts, num_quantized_bins)
+    n = h.size
+    start = int(np.flatnonzero(h)[0]) + nq  # h[-1] > 0
+    if start > n:
+        return n
+    i = np.arange(start, n + 1, dtype=np.int64)  # candidate windows
+    kl = _kl_divergences(h, i, nq)
+    best = kl.size - 1 - int(np.argmin(kl[::-1]))  # last argmin; i = n (no outliers) is always finite
+    return int(i[best])
+
+
+def _kl_checked_histogram(counts, num_quantized_bins) -> tuple[np.ndarray, int]:
+    """The histogram as int64 with ``h[0] := h[1]``, and ``nq``; MaceqError if either is invalid."""
     h = np.array(counts, dtype=np.int64).reshape(-1)
     nq = int(num_quantized_bins)
     n = h.size
@@ -222,45 +235,21 @@ def kl_threshold_index(counts: np.ndarray, *, num_quantized_bins: int) -> int:
         raise MaceqError(f"kl: num_quantized_bins must be >= 2, got {num_quantized_bins!r}")
     if n >= 2:
         h[0] = h[1]
-    start = int(np.flatnonzero(h)[0]) + nq  # h[-1] > 0
-    if start > n:
-        return n
+    return h, nq
+
+
+def _kl_divergences(h: np.ndarray, i: np.ndarray, nq: int) -> np.ndarray:
+    """``KL_i`` of each window ``i`` by the prefix-sum formula of :func:`kl_threshold_index` (+inf: q = 0 < p)."""
     # Integers: counts sum to the tensor's value count (< 2**53, so float64 copies are exact);
     # window * level <= n * nq, far below 2**63.
     total = int(h.sum())
     cum = np.concatenate(([0], np.cumsum(h)))  # cum[i] = sum(h[:i]), exact int64
     nzc = np.concatenate(([0], np.cumsum(h > 0)))
-    hlogh = np.zeros(n)
+    hlogh = np.zeros(h.size)
     pos = h > 0
     hlogh[pos] = h[pos] * np.log(h[pos])
     sum_hlogh = np.concatenate(([0.0], np.cumsum(hlogh)))
-
-    def level_terms(s0: np.ndarray, s1: np.ndarray) -> np.ndarray:
-        """``B log(B / z)`` of the bins ``[s0, s1)`` (0 when none is occupied)."""
-        bs = (cum[s1] - cum[s0]).astype(np.float64)
-        bz = nzc[s1] - nzc[s0]
-        occ = bz > 0
-        return np.where(occ, bs * np.log(np.where(occ, bs, 1.0) / np.maximum(bz, 1)), 0.0)
-
-    i = np.arange(start, n + 1, dtype=np.int64)  # candidate windows
-    lv = np.arange(nq + 1, dtype=np.int64)
-    # A level is a run of bins [s, s + L), L <= max_len. With many windows the runs repeat, so the
-    # terms of all runs are tabulated once (the same float ops as directly: the same values).
-    max_len = -(-n // nq)
-    table = None
-    if max_len * (n + 1) <= i.size * nq:
-        s0 = np.arange(n + 1, dtype=np.int64)[None, :]
-        table = level_terms(s0, np.minimum(s0 + np.arange(1, max_len + 1)[:, None], n)).reshape(-1)
-    blog = np.empty(i.size)
-    rows = max(1, _CHUNK_ELEMS // (nq + 1))  # small temporaries: no fresh pages per call
-    for r in range(0, i.size, rows):
-        ii = i[r:r + rows, None]
-        starts = (ii * lv[None, :] + (nq - 1)) // nq  # first bin of level b: ceil(b*i/nq); [:, nq] = i
-        if table is None:
-            blog[r:r + rows] = level_terms(starts[:, :-1], starts[:, 1:]).sum(axis=1)
-        else:
-            lens = starts[:, 1:] - starts[:, :-1]  # >= floor(i/nq) >= 1
-            blog[r:r + rows] = table[(lens - 1) * (n + 1) + starts[:, :-1]].sum(axis=1)
+    blog = _kl_level_logs(cum, nzc, i, nq)
     lastb = ((i - 1) * nq) // i  # level of bin i-1: [s_last, i)
     s_last = (lastb * i + (nq - 1)) // nq
     q_last = (cum[i] - cum[s_last]) / np.maximum(nzc[i] - nzc[s_last], 1)
@@ -273,8 +262,39 @@ def kl_threshold_index(counts: np.ndarray, *, num_quantized_bins: int) -> int:
         plogq = blog + np.where(out > 0, out * np.log(np.where(q_last > 0, q_last, 1.0)), 0.0)
         kl = (plogp - plogq) / total + np.log(c_i / total)
     kl[(c_i == 0) | ((h_last == 0) & (out > 0))] = np.inf
-    best = kl.size - 1 - int(np.argmin(kl[::-1]))  # last argmin; i = n (no outliers) is always finite
-    return int(i[best])
+    return kl
+
+
+def _kl_level_terms(cum: np.ndarray, nzc: np.ndarray, s0: np.ndarray, s1: np.ndarray) -> np.ndarray:
+    """``B log(B / z)`` of the bins ``[s0, s1)`` (0 when none is occupied)."""
+    bs = (cum[s1] - cum[s0]).astype(np.float64)
+    bz = nzc[s1] - nzc[s0]
+    occ = bz > 0
+    return np.where(occ, bs * np.log(np.where(occ, bs, 1.0) / np.maximum(bz, 1)), 0.0)
+
+
+def _kl_level_logs(cum: np.ndarray, nzc: np.ndarray, i: np.ndarray, nq: int) -> np.ndarray:
+    """``sum_b B_b log(B_b / z_b)`` over the ``nq`` levels of each window ``i``."""
+    n = cum.size - 1  # bins
+    lv = np.arange(nq + 1, dtype=np.int64)
+    # A level is a run of bins [s, s + L), L <= max_len. With many windows the runs repeat, so the
+    # terms of all runs are tabulated once (the same float ops as directly: the same values).
+    max_len = -(-n // nq)
+    table = None
+    if max_len * (n + 1) <= i.size * nq:
+        s0 = np.arange(n + 1, dtype=np.int64)[None, :]
+        table = _kl_level_terms(cum, nzc, s0, np.minimum(s0 + np.arange(1, max_len + 1)[:, None], n)).reshape(-1)
+    blog = np.empty(i.size)
+    rows = max(1, _CHUNK_ELEMS // (nq + 1))  # small temporaries: no fresh pages per call
+    for r in range(0, i.size, rows):
+        ii = i[r:r + rows, None]
+        starts = (ii * lv[None, :] + (nq - 1)) // nq  # first bin of level b: ceil(b*i/nq); [:, nq] = i
+        if table is None:
+            blog[r:r + rows] = _kl_level_terms(cum, nzc, starts[:, :-1], starts[:, 1:]).sum(axis=1)
+        else:
+            lens = starts[:, 1:] - starts[:, :-1]  # >= floor(i/nq) >= 1
+            blog[r:r + rows] = table[(lens - 1) * (n + 1) + starts[:, :-1]].sum(axis=1)
+    return blog
 
 
 def _kl_range(stats: TensorStats, num_quantized_bins: int | None) -> tuple[float, float]:

@@ -584,21 +584,7 @@ def write_model(out_dir, name: str, model, arrays: Mapping[str, np.ndarray], *,
     if not out_dir.is_dir():
         raise MaceqError(f"{out_dir}: no such folder")
     deployment = dict(deployment or {})
-
-    if isinstance(model, mace_pb2.MultiNetDef):
-        multi = mace_pb2.MultiNetDef()
-        multi.CopyFrom(model)
-        if len(multi.net_def) != 1:
-            raise MaceqError(f"model {name!r}: has {len(multi.net_def)} net_defs; "
-                             f"maceq writes exactly one")
-    elif isinstance(model, mace_pb2.NetDef):
-        multi = mace_pb2.MultiNetDef()
-        multi.net_def.add().CopyFrom(model)
-        multi.input_tensor.extend(i.name for i in model.input_info)
-        multi.output_tensor.extend(o.name for o in model.output_info)
-    else:
-        raise MaceqError(f"model {name!r}: expected a mace MultiNetDef or NetDef, "
-                         f"got {type(model).__name__}")
+    multi = _as_multi_net(model, name)
     net = multi.net_def[0]
     data = pack_tensors(net, arrays, data_offset=0)
     pb = multi.SerializeToString(deterministic=True)
@@ -607,8 +593,36 @@ def write_model(out_dir, name: str, model, arrays: Mapping[str, np.ndarray], *,
                        yml=out_dir / f"{name}.yml",
                        ranges=(out_dir / f"{name}_ranges.txt") if ranges is not None else None)
     ranges_text = format_ranges(ranges) if ranges is not None else None
-
     # Build the yml before touching the disk, so that bad keys fail early.
+    yml_text = _deployment_yml(name, multi, files, pb, data, ranges, deployment, maceq)
+    _write_model_files(out_dir, name, files, pb, data, ranges_text, yml_text)
+    return files
+
+
+def _as_multi_net(model, name: str):
+    """A copy of ``model`` as a MultiNetDef of exactly one net_def (a NetDef is wrapped); MaceqError otherwise."""
+    if isinstance(model, mace_pb2.MultiNetDef):
+        multi = mace_pb2.MultiNetDef()
+        multi.CopyFrom(model)
+        if len(multi.net_def) != 1:
+            raise MaceqError(f"model {name!r}: has {len(multi.net_def)} net_defs; "
+                             f"maceq writes exactly one")
+        return multi
+    if isinstance(model, mace_pb2.NetDef):
+        multi = mace_pb2.MultiNetDef()
+        multi.net_def.add().CopyFrom(model)
+        multi.input_tensor.extend(i.name for i in model.input_info)
+        multi.output_tensor.extend(o.name for o in model.output_info)
+        return multi
+    raise MaceqError(f"model {name!r}: expected a mace MultiNetDef or NetDef, "
+                     f"got {type(model).__name__}")
+
+
+def _deployment_yml(name: str, multi, files: ModelFiles, pb: bytes, data: bytes,
+                    ranges: Mapping[str, tuple[float, float]] | None, deployment: dict[str, Any],
+                    maceq: Mapping[str, Any] | None) -> str:
+    """The text of ``<name>.yml`` as :func:`write_model` describes it; ``deployment`` is consumed."""
+    net = multi.net_def[0]
     top = {
         "library_name": deployment.pop("library_name", name),
         "target_abis": deployment.pop("target_abis", ["arm64-v8a"]),
@@ -636,9 +650,13 @@ def write_model(out_dir, name: str, model, arrays: Mapping[str, np.ndarray], *,
     if maceq is not None:
         doc["maceq"] = dict(maceq)
     doc = _plain(doc, "yml")
-    yml_text = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False,
-                              allow_unicode=True, width=1000)
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False,
+                          allow_unicode=True, width=1000)
 
+
+def _write_model_files(out_dir: Path, name: str, files: ModelFiles, pb: bytes, data: bytes,
+                       ranges_text: str | None, yml_text: str) -> None:
+    """Write the model's files as one set into ``out_dir``, the yml last; MaceqError for a path outside it."""
     for p in (files.pb, files.data, files.yml, files.ranges):
         if p is not None and p.parent.resolve() != out_dir.resolve():  # defence in depth; the name is checked
             raise MaceqError(f"model name {name!r}: {p.name} would be written outside {out_dir}")
@@ -647,7 +665,6 @@ def write_model(out_dir, name: str, model, arrays: Mapping[str, np.ndarray], *,
         payloads.append((files.ranges, ranges_text.encode("utf-8")))
     payloads.append((files.yml, yml_text.encode("utf-8")))
     _commit_set(out_dir, name, payloads)
-    return files
 
 
 #: The most bytes (UTF-8) of a model name: the longest file made from it, the staging folder

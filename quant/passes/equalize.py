@@ -409,6 +409,24 @@ def equalize(graph: Graph, *, relu6: Relu6Mode | str = Relu6Mode.EXACT,
     exactness on the calibration images only. ``iterations``: the most sweeps over the chains;
     ``tolerance``: stop when no scale changes by a factor farther than this from 1.
     """
+    mode = _checked_relu6_mode(relu6, iterations, tolerance, headroom)
+    stats = dict(channel_stats or {})
+    links, skipped = _find_links(graph)
+    use_data = mode is not Relu6Mode.EXACT
+    replaced = _apply_relu6_rule(links, mode, stats, headroom, skipped)
+    sweeps, converged = _balance_scales(links, iterations, tolerance)
+    layers, before = _scale_weights(links)
+    if absorb_bias:
+        for ln in links:
+            _absorb(ln, stats if use_data else {}, stats, headroom=headroom, absorb_padded=absorb_padded)
+    for layer in layers.values():
+        _store(graph, layer)
+    return EqualizeReport(_link_reports(links), _layer_ranges(layers, before), tuple(skipped), tuple(replaced),
+                          sweeps, converged)
+
+
+def _checked_relu6_mode(relu6: Relu6Mode | str, iterations: int, tolerance: float, headroom: float) -> Relu6Mode:
+    """The Relu6Mode that ``relu6`` names, once the numeric arguments of :func:`equalize` are checked too."""
     try:
         mode = Relu6Mode(relu6.value if isinstance(relu6, Relu6Mode) else str(relu6))
     except ValueError:
@@ -420,12 +438,14 @@ def equalize(graph: Graph, *, relu6: Relu6Mode | str = Relu6Mode.EXACT,
         raise MaceqError(f"equalize: tolerance must be a finite number >= 0, got {tolerance!r}")
     if not (math.isfinite(headroom) and headroom >= 1.0):
         raise MaceqError(f"equalize: headroom must be a finite number >= 1, got {headroom!r}")
-    stats = dict(channel_stats or {})
-    links, skipped = _find_links(graph)
-    replaced: list[str] = []
-    use_data = mode is not Relu6Mode.EXACT
+    return mode
 
-    # The ReLU6 rule: replace the clamp, or bound each channel's scale.
+
+def _apply_relu6_rule(links: list[_Link], mode: Relu6Mode, stats: Mapping[str, ChannelStats], headroom: float,
+                      skipped: list[tuple[str, str]]) -> list[str]:
+    """Replace each bounded ReLU's clamp or bound its channels' scales (noting in ``skipped``); the replaced nodes."""
+    use_data = mode is not Relu6Mode.EXACT
+    replaced: list[str] = []
     for ln in links:
         if ln.act is not ActKind.BOUNDED:
             continue
@@ -448,7 +468,11 @@ def equalize(graph: Graph, *, relu6: Relu6Mode | str = Relu6Mode.EXACT,
                                             "interval bounds only"))
         ln.lower = np.where(ln.free, lower, 1.0)
         ln.upper = np.where(ln.free, np.inf, 1.0)
+    return replaced
 
+
+def _balance_scales(links: list[_Link], iterations: int, tolerance: float) -> tuple[int, bool]:
+    """Sweep the chains, setting each link's scales to balance its two layers' ranges; (sweeps, converged)."""
     chains = _chains(links)
     sweeps, converged = 0, not links
     for sweeps in range(1, iterations + 1):
@@ -467,8 +491,11 @@ def equalize(graph: Graph, *, relu6: Relu6Mode | str = Relu6Mode.EXACT,
         if worst <= tolerance:
             converged = True
             break
+    return sweeps, converged
 
-    # Write the scaled weights once (float64 -> float32).
+
+def _scale_weights(links: list[_Link]) -> tuple[dict[int, _Layer], dict[int, tuple[float, float]]]:
+    """Scale the linked layers' weights and biases by the final scales; the layers, and each one's grid use before."""
     before = {}
     s_in: dict[int, np.ndarray] = {}
     s_out: dict[int, np.ndarray] = {}
@@ -487,14 +514,11 @@ def equalize(graph: Graph, *, relu6: Relu6Mode | str = Relu6Mode.EXACT,
             w = w / s_out[key].reshape((-1,) + (1,) * (w.ndim - 1))
             layer.b = layer.b / s_out[key]
         layer.w = w
+    return layers, before
 
-    if absorb_bias:
-        for ln in links:
-            _absorb(ln, stats if use_data else {}, stats, headroom=headroom, absorb_padded=absorb_padded)
 
-    for layer in layers.values():
-        _store(graph, layer)
-
+def _link_reports(links: list[_Link]) -> tuple[LinkReport, ...]:
+    """The report of each link after equalization and bias absorption."""
     reports = []
     for ln in links:
         reports.append(LinkReport(
@@ -502,11 +526,16 @@ def equalize(graph: Graph, *, relu6: Relu6Mode | str = Relu6Mode.EXACT,
             float(ln.scale.max()), int(np.count_nonzero((ln.lower == 1.0) & (ln.upper == 1.0))), ln.proven,
             int(np.count_nonzero((ln.lower > 0) & (ln.lower < 1.0) & np.isclose(ln.scale, ln.lower, rtol=1e-9))),
             int(np.count_nonzero(ln.absorbed)) if ln.absorbed is not None else 0, ln.absorb_note))
+    return tuple(reports)
+
+
+def _layer_ranges(layers: dict[int, _Layer], before: dict[int, tuple[float, float]]) -> tuple[LayerRange, ...]:
+    """Each layer's weight grid use and range, before and after the pass."""
     ranges = []
     for key, layer in layers.items():
         use, big = _grid_use(layer.w)
         ranges.append(LayerRange(layer.node.name, before[key][0], use, before[key][1], big))
-    return EqualizeReport(tuple(reports), tuple(ranges), tuple(skipped), tuple(replaced), sweeps, converged)
+    return tuple(ranges)
 
 
 def _stats_for(stats: Mapping[str, ChannelStats], ln: _Link) -> ChannelStats | None:

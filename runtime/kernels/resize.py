@@ -399,6 +399,8 @@ def resize_bilinear_mace(x, *, out_hw=None, scale_hw=None, align_corners: bool =
 # ----------------------------------------------------------------------------- ONNX mapping
 
 _ONNX_MODES = {"nearest": ResizeKind.NEAREST, "linear": ResizeKind.BILINEAR, "bilinear": ResizeKind.BILINEAR}
+_ONNX_MACE_MODES = {"asymmetric": MaceCoordMode.NONE, "align_corners": MaceCoordMode.NONE,
+                    "half_pixel": MaceCoordMode.HALF_PIXEL, "pytorch_half_pixel": MaceCoordMode.PYTORCH_HALF_PIXEL}
 
 
 def _onnx_coordinate(i: int, in_size: int, out_size: int, scale: Fraction, ctm: str) -> Fraction:
@@ -467,51 +469,68 @@ def onnx_resize_mapping(*, mode: str, coordinate_transformation_mode: str = "hal
     out_hw = tuple(int(v) for v in out_hw)
     if min(in_hw) < 1 or min(out_hw) < 1:
         raise MaceqError(f"{node}: Resize needs positive sizes, got {in_hw} -> {out_hw}")
-    if scales_hw is not None:
-        scales = tuple(Fraction(float(_F32(s))) for s in scales_hw)
-        if min(scales) <= 0:
-            raise MaceqError(f"{node}: Resize scales must be positive, got {scales_hw}")
-    else:
-        scales = tuple(Fraction(o, i) for o, i in zip(out_hw, in_hw))
-    exact_ratio = all(s == Fraction(o, i) for s, o, i in zip(scales, out_hw, in_hw))
-
+    scales = _onnx_scales(in_hw, out_hw, scales_hw, node)
     if kind is ResizeKind.NEAREST:
-        try:
-            want = [[_onnx_nearest_index(_onnx_coordinate(i, n, o, s, ctm), n, nearest_mode) for i in range(o)]
-                    for n, o, s in zip(in_hw, out_hw, scales)]
-        except MaceqError as e:
-            raise MaceqError(f"{node}: {e}") from None
-        for ac, hp in ((False, False), (False, True), (True, False), (True, True)):
-            got = [nearest_indices(o, n, align_corners=ac, half_pixel_centers=hp).tolist()
-                   for n, o in zip(in_hw, out_hw)]
-            if got == want:
-                return ResizeMapping(kind, TfliteResizeFlags(ac, hp), None)
-        raise MaceqError(f"{node}: nearest Resize with coordinate_transformation_mode={ctm!r}, "
-                         f"nearest_mode={nearest_mode!r}, {in_hw} -> {out_hw} picks source pixels that no "
-                         f"TFLite RESIZE_NEAREST_NEIGHBOR flags reproduce")
-
-    tfl = None
-    if ctm == "align_corners":
-        tfl = TfliteResizeFlags(True, False)
-    elif ctm in ("asymmetric", "half_pixel", "pytorch_half_pixel") and exact_ratio:
-        if ctm == "asymmetric":
-            tfl = TfliteResizeFlags(False, False)
-        elif ctm == "half_pixel" or min(out_hw) > 1:
-            tfl = TfliteResizeFlags(False, True)
-        elif max(out_hw) == 1:
-            tfl = TfliteResizeFlags(False, False)
-    mace = None
-    mace_modes = {"asymmetric": MaceCoordMode.NONE, "align_corners": MaceCoordMode.NONE,
-                  "half_pixel": MaceCoordMode.HALF_PIXEL, "pytorch_half_pixel": MaceCoordMode.PYTORCH_HALF_PIXEL}
-    if ctm in mace_modes:
-        scale_arg = None
-        if ctm != "align_corners" and not exact_ratio:
-            scale_arg = tuple(float(_F32(float(s))) for s in scales)
-            if mace_resize_out_hw(in_hw, scale_hw=scale_arg) != out_hw:
-                scale_arg = "mismatch"
-        if scale_arg != "mismatch":
-            mace = MaceResizeFlags(ctm == "align_corners", mace_modes[ctm], scale_arg)
+        return ResizeMapping(kind, _tflite_nearest_flags(in_hw, out_hw, scales, ctm, nearest_mode, node), None)
+    exact_ratio = all(s == Fraction(o, i) for s, o, i in zip(scales, out_hw, in_hw))
+    tfl = _tflite_bilinear_flags(ctm, out_hw, exact_ratio)
+    mace = _mace_bilinear_flags(ctm, in_hw, out_hw, scales, exact_ratio)
     if tfl is None and mace is None:
         raise MaceqError(f"{node}: linear Resize with coordinate_transformation_mode={ctm!r}, "
                          f"{in_hw} -> {out_hw}, scales {scales_hw} has no TFLite or MACE bilinear equivalent")
     return ResizeMapping(kind, tfl, mace)
+
+
+def _onnx_scales(in_hw: tuple[int, int], out_hw: tuple[int, int], scales_hw, node: str) -> tuple[Fraction, ...]:
+    """The exact H and W scales ONNX maps with: the float32 ``scales_hw`` if given, else out/in."""
+    if scales_hw is not None:
+        scales = tuple(Fraction(float(_F32(s))) for s in scales_hw)
+        if min(scales) <= 0:
+            raise MaceqError(f"{node}: Resize scales must be positive, got {scales_hw}")
+        return scales
+    return tuple(Fraction(o, i) for o, i in zip(out_hw, in_hw))
+
+
+def _tflite_nearest_flags(in_hw: tuple[int, int], out_hw: tuple[int, int], scales: tuple[Fraction, ...], ctm: str,
+                          nearest_mode: str, node: str) -> TfliteResizeFlags:
+    """The first TFLite flag pair whose nearest source indices equal ONNX's for every row and column."""
+    try:
+        want = [[_onnx_nearest_index(_onnx_coordinate(i, n, o, s, ctm), n, nearest_mode) for i in range(o)]
+                for n, o, s in zip(in_hw, out_hw, scales)]
+    except MaceqError as e:
+        raise MaceqError(f"{node}: {e}") from None
+    for ac, hp in ((False, False), (False, True), (True, False), (True, True)):
+        got = [nearest_indices(o, n, align_corners=ac, half_pixel_centers=hp).tolist()
+               for n, o in zip(in_hw, out_hw)]
+        if got == want:
+            return TfliteResizeFlags(ac, hp)
+    raise MaceqError(f"{node}: nearest Resize with coordinate_transformation_mode={ctm!r}, "
+                     f"nearest_mode={nearest_mode!r}, {in_hw} -> {out_hw} picks source pixels that no "
+                     f"TFLite RESIZE_NEAREST_NEIGHBOR flags reproduce")
+
+
+def _tflite_bilinear_flags(ctm: str, out_hw: tuple[int, int], exact_ratio: bool) -> TfliteResizeFlags | None:
+    """The TFLite RESIZE_BILINEAR flags with ONNX's coordinate formula, or None if no pair has it."""
+    if ctm == "align_corners":
+        return TfliteResizeFlags(True, False)
+    if ctm in ("asymmetric", "half_pixel", "pytorch_half_pixel") and exact_ratio:
+        if ctm == "asymmetric":
+            return TfliteResizeFlags(False, False)
+        if ctm == "half_pixel" or min(out_hw) > 1:
+            return TfliteResizeFlags(False, True)
+        if max(out_hw) == 1:
+            return TfliteResizeFlags(False, False)
+    return None
+
+
+def _mace_bilinear_flags(ctm: str, in_hw: tuple[int, int], out_hw: tuple[int, int], scales: tuple[Fraction, ...],
+                         exact_ratio: bool) -> MaceResizeFlags | None:
+    """MACE's bilinear args for ONNX's coordinate mode and scales; None if MACE lacks the mode or the output size."""
+    if ctm not in _ONNX_MACE_MODES:
+        return None
+    scale_arg = None
+    if ctm != "align_corners" and not exact_ratio:
+        scale_arg = tuple(float(_F32(float(s))) for s in scales)
+        if mace_resize_out_hw(in_hw, scale_hw=scale_arg) != out_hw:
+            return None
+    return MaceResizeFlags(ctm == "align_corners", _ONNX_MACE_MODES[ctm], scale_arg)
