@@ -46,7 +46,7 @@ from maceq.quant.export import write_quantized
 from maceq.quant.ir import Graph
 from maceq.quant.scheme import scheme_for
 from maceq.runtime import load
-from maceq.runtime.profiles import Device
+from maceq.runtime.devices import Device
 from maceq.runtime.qtypes import QInfo
 
 __all__ = ["BiasCorrection", "correct_biases", "dequantized_weights", "tap_means"]

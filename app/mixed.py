@@ -53,7 +53,7 @@ from maceq.quant.export import write_quantized
 from maceq.reports.analysis import analyze_layers
 from maceq.reports.evaluate import evaluate
 from maceq.runtime.model import load
-from maceq.runtime.profiles import Device
+from maceq.runtime.devices import Device
 
 #: Slack when comparing a drop with the budget (both are in points; drops are multiples of 100/N).
 BUDGET_EPS = 1e-9

@@ -20,7 +20,7 @@ from maceq.quant.export import Calibration, QuantizeResult, write_quantized
 from maceq.quant.ir import Graph
 from maceq.quant.passes.equalize import collect_channel_stats, equalize
 from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
-from maceq.runtime.profiles import Device
+from maceq.runtime.devices import Device
 
 __all__ = ["Calibration", "QuantizeResult", "calibrate", "correct_bias", "quantize", "write_quantized"]
 

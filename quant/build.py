@@ -26,7 +26,7 @@ from maceq.mace.enums import (DataFormat, DataType, EltwiseType, FrameworkType, 
 from maceq.quant.float_emit import FLOAT_EMITTABLE, cancel_inverse_transposes, emit_float_node
 from maceq.quant.ir import ACT_ATTR, Graph, Node
 from maceq.quant.scheme import adjust_range, scheme_for
-from maceq.runtime.profiles import Device, get_profile
+from maceq.runtime.devices import Device, device_spec
 from maceq.runtime.qtypes import QInfo
 from maceq.runtime.kernels.resize import onnx_resize_mapping
 
@@ -615,7 +615,7 @@ def place_nodes(g: Graph, *, device: Device, strict: bool = False, shapes=None, 
     with ``strict`` that is an error naming the node. A node neither path supports is an error.
     Nodes named in ``fp32`` (user exemptions, mixed precision) run in float32 whatever their kernel.
     """
-    spec = get_profile(device)
+    spec = device_spec(device)
     uint8_resize, where = spec.uint8_resize, spec.device.value
     consumers = g.consumers()
     views, placement = {}, {}

@@ -17,7 +17,7 @@ from maceq.quant.build import build_mace_model, check_supported, select_nodes
 from maceq.quant.config import QuantConfig
 from maceq.quant.ir import Graph
 from maceq.quant.safe_forms import find_defects, in_memory_model, make_safe
-from maceq.runtime.profiles import Device, get_profile
+from maceq.runtime.devices import Device, device_spec
 
 
 @dataclass
@@ -144,7 +144,7 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
         out_dir = _output_dir(output_dir, device, several=len(devs) > 1)
         result.per_device[device.value] = write_model(
             out_dir, name, built.multi_net_def, built.arrays,
-            deployment={"platform": "onnx", "runtime": get_profile(device).mace_runtime, "subgraphs": [subgraph]},
+            deployment={"platform": "onnx", "runtime": device_spec(device).mace_runtime, "subgraphs": [subgraph]},
             ranges=built.ranges,
             maceq={**source, "float_fallback": fallback, "fp32_layers": sorted(fp32), **(extra_meta or {}),
                    "device": device.value, "tensor_map": built.tensor_map, "recovery": recovery, **forms_meta})

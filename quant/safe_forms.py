@@ -35,7 +35,7 @@ from maceq.mace.cost import net_macs
 from maceq.mace.enums import DataType, PoolingType
 from maceq.mace.format import LoadedModel, add_arg, get_arg
 from maceq.runtime.model import Model
-from maceq.runtime.profiles import Device, get_profile
+from maceq.runtime.devices import Device, device_spec
 
 PAD_SUFFIX = "__maceq_pad"
 
@@ -91,7 +91,7 @@ def find_defects(model: Model, device: Device) -> dict[str, str]:
     """
     per_image = _find_range_inputs(model.net_def)
     found = dict(model.deviations(device))
-    for prepared in model.probe_ops(get_profile(device)):
+    for prepared in model.probe_ops(device_spec(device)):
         op, params = prepared.op, prepared.params
         if op.name in found or not op.inputs or op.inputs[0] not in per_image or not hasattr(params, "shift"):
             continue  # only a gemmlowp-requantized convolution's path depends on its multiplier

@@ -19,7 +19,7 @@ from maceq.quant.converter import (
     mace_quantize_bias,
     mace_quantize_tensor,
 )
-from maceq.runtime.profiles import Device, WeightScheme, get_profile
+from maceq.runtime.devices import Device, WeightScheme, device_spec
 from maceq.runtime.qtypes import QInfo
 
 
@@ -160,4 +160,4 @@ SCHEMES = {WeightScheme.MACE_CPU: CpuScheme(), WeightScheme.INT8_PER_CHANNEL: Gp
 
 def scheme_for(device: "Device | str") -> CpuScheme:
     """The quantization scheme the device's spec names."""
-    return SCHEMES[get_profile(device).scheme]
+    return SCHEMES[device_spec(device).scheme]

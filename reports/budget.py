@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from maceq.errors import MaceqError, one_line
-from maceq.runtime.profiles import Device
+from maceq.runtime.devices import Device
 from maceq.yamlio import atomic_write, read_text, read_yaml
 
 #: Global budget keys -> (direction, the report's metric under summary.devices.<device>).

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from maceq.mace.cost import is_float, op_macs
 from maceq.runtime.model import Model
-from maceq.runtime.profiles import Device, get_profile
+from maceq.runtime.devices import Device, device_spec
 
 #: above this share of the MACs in float, quantize warns
 FLOAT_SHARE_WARNING = 1 / 3
@@ -35,7 +35,7 @@ class FloatShare:
         """One line: the float share of ops and MACs, the boundaries, and the fallback traffic."""
         line = (f"{self.float_ops} of {self.ops} ops in float32 ({100 * self.float_mac_share:.1f}% of "
                 f"{self.macs:,} MACs), {self.boundaries} float<->uint8 boundaries")
-        fallback = get_profile(self.device).fallback
+        fallback = device_spec(self.device).fallback
         if fallback is not None:
             line += (f", {self.fallback_ops} ops on the {fallback.value} fallback with {self.transfers} "
                      f"{self.device.value}<->{fallback.value} transfers per run")
@@ -58,7 +58,7 @@ def float_share(model: Model, device: "Device | str") -> FloatShare:
                      or (op.type == "Dequantize" and op.output[0] not in outputs))
     compute = [op for op in ops if op.type not in ("Quantize", "Dequantize")]
     transfers = fallback_ops = 0
-    if get_profile(device).fallback is not None:
+    if device_spec(device).fallback is not None:
         placement = model.placement(device.value)
         transfers = model.boundary_transfers(placement)
         fallback_ops = sum(1 for where, _ in placement.values() if where != device.value)

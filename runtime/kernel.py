@@ -15,7 +15,7 @@ import numpy as np
 
 from maceq.mace.enums import DataType
 from maceq.runtime.graph import RtOp
-from maceq.runtime.profiles import Device, DeviceProfile, FloatStorage
+from maceq.runtime.devices import Device, DeviceSpec, FloatStorage
 from maceq.runtime.qtypes import QInfo, QTensor
 
 
@@ -33,7 +33,7 @@ class DType(Enum):
 class PrepareContext:
     """What ``prepare`` and ``plan`` read besides the op."""
 
-    profile: DeviceProfile
+    spec: DeviceSpec
     consts: dict
     const_qinfo: dict
     #: The gpu kernels' backend: an OpenCLBackend for ``backend="opencl"``; None is the numpy simulation.

@@ -24,7 +24,7 @@ from maceq.runtime import ops_shape as _ops_shape  # noqa: F401
 from maceq.runtime import threads as _threads
 from maceq.runtime.graph import RtOp, parse_ops
 from maceq.runtime.kernel import Kernel, PrepareContext, PreparedOp
-from maceq.runtime.profiles import Device, DeviceProfile, get_profile
+from maceq.runtime.devices import Device, DeviceSpec, device_spec
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import lookup, op_dtype, prepare_op
 
@@ -157,12 +157,12 @@ class Model:
 
     def context(self, device: str | Device = "cpu", backend: str = "numpy") -> PrepareContext:
         """What the model's kernels are prepared with on ``device`` (``backend``: "numpy" or "opencl")."""
-        return PrepareContext(get_profile(device), self.consts, self.const_qinfo, _backend(backend))
+        return PrepareContext(device_spec(device), self.consts, self.const_qinfo, _backend(backend))
 
     def prepare(self, op: RtOp, in_q: tuple, ctx: PrepareContext) -> PreparedOp:
         """``op`` prepared for inputs quantized as ``in_q`` (errors name the op)."""
         try:
-            return prepare_op(self._kernel(op, ctx.profile.device), op, in_q, ctx)
+            return prepare_op(self._kernel(op, ctx.spec.device), op, in_q, ctx)
         except MaceqError as e:
             msg = str(e)
             if not msg.startswith(f"op '{op.name}'"):
@@ -181,7 +181,7 @@ class Model:
         boundary transfers between the two.
         """
         return {p.op.name: (p.placement.device.value, p.placement.reason)
-                for p in self.probe_ops(get_profile(device))}
+                for p in self.probe_ops(device_spec(device))}
 
     def probe_inputs(self) -> dict[str, np.ndarray]:
         """A deterministic probe input of batch 1 per graph input: a ramp over [-1, 1] (a constant
@@ -192,7 +192,7 @@ class Model:
             probe[n] = np.linspace(-1.0, 1.0, int(np.prod(shape)), dtype=np.float32).reshape(shape)
         return probe
 
-    def probe_ops(self, profile: DeviceProfile) -> list[PreparedOp]:
+    def probe_ops(self, profile: DeviceSpec) -> list[PreparedOp]:
         """Every op as one run on the probe input (:meth:`probe_inputs`) prepared it."""
         with _threads.section():
             plan = self._plan(profile.device.value, "numpy")
@@ -212,7 +212,7 @@ class Model:
         for op in self.ops:
             shapes.update(zip(op.outputs, op.output_shapes))
         out = {}
-        for p in self.probe_ops(get_profile(device)):
+        for p in self.probe_ops(device_spec(device)):
             why = p.kernel.deviation(p.params, [shapes.get(i) for i in p.op.inputs])
             if why:
                 out[p.op.name] = why
@@ -266,7 +266,7 @@ class Model:
 
     def _plan(self, device: str | Device, backend: str) -> Plan:
         """The plan for ``device`` and ``backend``, checked against what the model was quantized for."""
-        profile = get_profile(device)
+        profile = device_spec(device)
         if backend not in BACKENDS:
             raise MaceqError(f"unknown backend '{backend}' (choose numpy or opencl)")
         if backend == "opencl" and profile.device is not Device.GPU:

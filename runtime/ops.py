@@ -5,7 +5,7 @@ into a frozen dataclass (float32 values as ``np.float32``, rules as enums),
 computed once per model and input quantization; the conv kernels' ``plan`` builds
 their weight-derived data once; ``run(prepared, inputs)`` applies the integer
 kernel from ``maceq.runtime.kernels``. Each rule a kernel follows comes from
-``ctx.profile`` (see docs/semantics.md), never from the device's name.
+``ctx.spec`` (see docs/semantics.md), never from the device's name.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from maceq.runtime.kernels import pooling as k_pool
 from maceq.runtime.kernels import quantize as k_quant
 from maceq.runtime.kernels import reduce as k_reduce
 from maceq.runtime.kernels import softmax as k_softmax
-from maceq.runtime.profiles import InputQuantize, MultiplierRule, Requant
+from maceq.runtime.devices import InputQuantize, MultiplierRule, Requant
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import register
 
@@ -100,7 +100,7 @@ class _ConvBase(Kernel):
         return prof.conv_rescales_bias
 
     def prepare(self, op: RtOp, in_q, ctx) -> ConvParams:
-        prof = ctx.profile
+        prof = ctx.spec
         xq = _require_q(op, in_q[0], "input")
         wq = _require_q(op, in_q[1], "filter")
         out_q = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
@@ -404,7 +404,7 @@ class QuantizeParams:
 class Quantize(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> QuantizeParams:
         o = _require_q(op, op.out_qinfo[0] if op.out_qinfo else None, "output")
-        prof = ctx.profile
+        prof = ctx.spec
         # quantize.cc: the range is recomputed when find_range_every_time is set or no scale is stored.
         find = (bool(op.arg("find_range_every_time", 0)) and prof.find_range_every_time) or o.scale == 0.0
         return QuantizeParams(find, np.float32(o.scale), o.zero_point, prof.input_quantize)

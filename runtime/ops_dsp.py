@@ -27,7 +27,7 @@ from maceq.runtime.kernel import Kernel
 from maceq.runtime.kernels import dsp as K
 from maceq.runtime.kernels import nnlib_ref as R
 from maceq.runtime.ops import op_pads, pooling_type
-from maceq.runtime.profiles import Device
+from maceq.runtime.devices import Device
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import register
 
@@ -136,7 +136,7 @@ class _DspConv(Kernel):
 
     def prepare(self, op: RtOp, in_q, ctx) -> DspConvParams:
         return DspConvParams(tuple(int(v) for v in op.arg("strides", [1, 1])), _f32_range(op.out_qinfo[0]),
-                             ctx.profile.supernode_variant or K.SupernodeVariant.D32, tuple(self._kernel_hw(op, ctx)),
+                             ctx.spec.supernode_variant or K.SupernodeVariant.D32, tuple(self._kernel_hw(op, ctx)),
                              op_pads(op), _padding(op))
 
     def run(self, prepared, inputs):

@@ -35,7 +35,6 @@ from maceq.mace.enums import DataFormat, FrameworkType, Padding, PoolingType, Re
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernel import Kernel
 from maceq.runtime.kernels import float_ops as K
-from maceq.runtime.profiles import Device
 from maceq.runtime.qtypes import QTensor
 from maceq.runtime.registry import DType, register
 
@@ -77,9 +76,9 @@ def _opt_const(op: RtOp, ctx, idx: int) -> np.ndarray | None:
 
 
 def _neon(ctx) -> bool:
-    """Whether the op runs on MACE's CPU runtime (NEON float kernels): the cpu device."""
-    profile = getattr(ctx, "profile", None)
-    return getattr(profile, "device", None) is Device.CPU
+    """Whether the op runs MACE's NEON fp32 kernels (the device spec's ``neon_float_kernels``); without
+    a context (a kernel called on its own), the reference float kernels."""
+    return ctx is not None and ctx.spec.neon_float_kernels
 
 
 def _norm_axis(op: RtOp, axis: int, rank: int) -> int:

@@ -20,7 +20,7 @@ from maceq.runtime.kernel import Kernel
 from maceq.runtime.kernels import float_ops as KF
 from maceq.runtime.kernels import gpu as K
 from maceq.runtime.ops import op_pads, pooling_type
-from maceq.runtime.profiles import Device
+from maceq.runtime.devices import Device
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import DType, register
 

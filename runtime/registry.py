@@ -14,7 +14,7 @@ from __future__ import annotations
 from maceq.errors import MaceqError
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernel import DType, Kernel, Placement, PrepareContext, PreparedOp
-from maceq.runtime.profiles import Device, FloatStorage
+from maceq.runtime.devices import Device, FloatStorage
 
 _REGISTRY: dict[tuple[str, DType, Device | None], type] = {}
 
@@ -64,12 +64,12 @@ def table_placement(op_type: str, dtype: DType, device: Device) -> Placement:
 
 
 def prepare_op(kernel: Kernel, op: RtOp, in_q: tuple, ctx: PrepareContext) -> PreparedOp:
-    """``op`` prepared for ``ctx.profile``'s device with ``kernel`` (from its table), or with the default
+    """``op`` prepared for ``ctx.spec``'s device with ``kernel`` (from its table), or with the default
     kernel on the cpu where ``kernel`` rejects it."""
-    where = table_placement(op.type, kernel.dtype, ctx.profile.device)
+    where = table_placement(op.type, kernel.dtype, ctx.spec.device)
     why = kernel.rejects(op, in_q, ctx)
     if why:
         kernel, where = _REGISTRY[(op.type, kernel.dtype, None)](), Placement(Device.CPU, why)
     params = kernel.prepare(op, in_q, ctx)
-    storage = ctx.profile.float_storage if kernel.dtype is DType.FLOAT else FloatStorage.FLOAT32
+    storage = ctx.spec.float_storage if kernel.dtype is DType.FLOAT else FloatStorage.FLOAT32
     return PreparedOp(op, kernel, params, kernel.plan(op, params, ctx), where, storage)

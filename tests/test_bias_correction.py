@@ -26,7 +26,7 @@ from maceq.quant.config import QuantConfig, config_from_dict
 from maceq.app.pipeline import calibrate, correct_bias, write_quantized
 from maceq.calibrate.runner import make_session
 from maceq.runtime import load
-from maceq.runtime.profiles import Device
+from maceq.runtime.devices import Device
 
 
 def _conv_model(w, b, *, strides, pads, dilations, group, x_shape):

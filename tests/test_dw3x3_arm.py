@@ -12,7 +12,7 @@ from maceq.runtime import load
 from maceq.runtime.kernels import conv as k_conv
 from maceq.runtime.kernels import dw3x3_arm as k
 from maceq.runtime.ops import DepthwiseConv2d
-from maceq.runtime.profiles import get_profile
+from maceq.runtime.devices import device_spec
 
 pytestmark = pytest.mark.oracle
 
@@ -112,7 +112,7 @@ def test_eligibility_matches_the_stock_build_on_the_sweep(shared_data):
     for d in dirs:
         rec = json.loads((d / "result.json").read_text())
         m = load(d / "model.yml")
-        p = next(p.params for p in m.probe_ops(get_profile("cpu")) if p.op.type == "DepthwiseConv2d")
+        p = next(p.params for p in m.probe_ops(device_spec("cpu")) if p.op.type == "DepthwiseConv2d")
         assert -p.shift == rec["right_shift"], d.name
         s = DepthwiseConv2d.fast3x3_shape(p, (3, 3, rec["C"], 1), (1, rec["H"], rec["W"], rec["C"]))
         assert (s is not None) == rec["fast3x3_eligible"], d.name

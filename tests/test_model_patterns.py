@@ -142,7 +142,7 @@ def test_a_built_model_whose_shapes_depart_from_onnx_is_refused_naming_the_node(
     from maceq.quant.build import build_mace_model
     from maceq.quant.export import check_output_shapes
     from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
-    from maceq.runtime.profiles import Device
+    from maceq.runtime.devices import Device
 
     rng = np.random.default_rng(6)
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="c"),

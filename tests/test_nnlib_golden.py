@@ -19,7 +19,7 @@ import pytest
 from maceq.runtime.graph import RtOp
 from maceq.runtime.model import PrepareContext, QTensor
 from maceq.runtime.ops_dsp import qinfo_of_range, rng
-from maceq.runtime.profiles import Device, get_profile
+from maceq.runtime.devices import Device, device_spec
 from maceq.runtime.qtypes import QInfo
 from maceq.runtime.registry import lookup, prepare_op
 
@@ -61,7 +61,7 @@ def _maceq_op(op: RtOp, consts: dict, const_qinfo: dict, fed: dict):
     """maceq's dsp kernel for one op -> (codes, min, max, PreparedOp)."""
     ins = [fed[t] if t in fed else QTensor(consts[t], const_qinfo[t]) for t in op.inputs]
     prepared = prepare_op(lookup(op.type, Device.DSP)(), op, tuple(t.qinfo for t in ins),
-                          PrepareContext(get_profile("dsp"), consts, const_qinfo))
+                          PrepareContext(device_spec("dsp"), consts, const_qinfo))
     out = prepared.run(ins)[0]
     return (out.values, *rng(out.qinfo), prepared)
 
@@ -119,7 +119,7 @@ def _maceq_places_on_dsp(row: dict) -> tuple[bool, str]:
     kernel = lookup(op.type, Device.DSP)()
     try:
         prepared = prepare_op(kernel, op, tuple(in_q.get(t) or const_qinfo[t] for t in op.inputs),
-                              PrepareContext(get_profile("dsp"), consts, const_qinfo))
+                              PrepareContext(device_spec("dsp"), consts, const_qinfo))
     except Exception as e:  # noqa: BLE001 - maceq's refusal
         return False, f"raises {type(e).__name__}: {str(e).splitlines()[0]}"
     return prepared.placement.device is Device.DSP, prepared.placement.reason

@@ -9,7 +9,7 @@ from maceq.runtime import model as _model  # noqa: F401  (registers every kernel
 from maceq.runtime import ops
 from maceq.runtime.kernels.dsp import SupernodeVariant
 from maceq.quant.scheme import scheme_for
-from maceq.runtime.profiles import CPU, SPECS, Device, Requant, get_profile
+from maceq.runtime.devices import CPU, SPECS, Device, Requant, device_spec
 from maceq.runtime.registry import _REGISTRY, DType, kernel_table, lookup, register
 
 
@@ -39,11 +39,11 @@ def test_device_table_is_default_plus_overrides():
 
 
 def test_cpu_profile_rules_are_data():
-    p = get_profile("cpu")
+    p = device_spec("cpu")
     assert p is CPU and p.fc_requant is Requant.FLOAT32_ROUNDF and p.conv_requant is Requant.GEMMLOWP
     with pytest.raises(MaceqError, match="unknown device 'npu'"):
-        get_profile("npu")
-    assert get_profile("gpu").conv_requant is Requant.FLOAT32_RTE and get_profile("dsp").supernode_variant is SupernodeVariant.D32
+        device_spec("npu")
+    assert device_spec("gpu").conv_requant is Requant.FLOAT32_RTE and device_spec("dsp").supernode_variant is SupernodeVariant.D32
 
 
 def test_config_overrides_most_specific_glob_wins(tmp_path):

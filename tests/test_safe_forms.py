@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from maceq.app.cli import quantize_main
-from maceq.runtime import load, profiles
+from maceq.runtime import devices, load
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernel import Placement, PreparedOp
 from maceq.runtime.ops import Pad
@@ -58,8 +58,8 @@ def test_default_writes_a_pad_and_an_unpadded_depthwise_that_compute_the_model(s
     edge[:, :, -1, :] = edge[:, :, :, -1] = True
     assert np.array_equal(y_safe[~edge], y_kept[~edge]) and not np.array_equal(y_safe[edge], y_kept[edge])
     # the model's meaning: the original form without the fast path's border
-    cpu = dataclasses.replace(profiles.CPU, depthwise_3x3_fast_path=False)
-    monkeypatch.setitem(profiles.PROFILES, profiles.Device.CPU, cpu)
+    cpu = dataclasses.replace(devices.CPU, depthwise_3x3_fast_path=False)
+    monkeypatch.setitem(devices.SPECS, devices.Device.CPU, cpu)
     kept._prepared.clear()
     kept._kernels.clear()
     assert np.array_equal(kept.run({"input": x}, device="cpu")["output"], y_safe)
@@ -73,7 +73,7 @@ def test_uint8_pad_fills_with_the_quantized_constant():
     def run(value, pads):
         op = RtOp("p", "Pad", ("x",), ("y",), {"paddings": pads, "pad_type": 0, "constant_value": value}, (), ())
         k = Pad()
-        prepared = PreparedOp(op, k, k.prepare(op, (q,), None), None, Placement(profiles.Device.CPU))
+        prepared = PreparedOp(op, k, k.prepare(op, (q,), None), None, Placement(devices.Device.CPU))
         (y,) = prepared.run([type("T", (), {"values": x, "qinfo": q})()])
         return y
 

@@ -451,7 +451,7 @@ def maceq_placement(model) -> dict:
         try:
             where = model.prepare(op, tuple(q.get(i) for i in op.inputs), ctx).placement
         except Exception:  # noqa: BLE001 - not prepared: placed by the kernel table alone
-            where = table_placement(op.type, op_dtype(op), ctx.profile.device)
+            where = table_placement(op.type, op_dtype(op), ctx.spec.device)
         out[op.name] = (where.device.value, where.reason)
     return out
 
@@ -880,13 +880,13 @@ def run_case(case: Case, **kw) -> OpResult:
 def maceq_placement_of_case(case: Case) -> tuple:
     """maceq's placement rule for the case: (on_dsp, why) from its dsp kernel's prepare (a raise = not)."""
     from maceq.runtime.model import PrepareContext
-    from maceq.runtime.profiles import Device, get_profile
+    from maceq.runtime.devices import Device, device_spec
     from maceq.runtime.registry import lookup, prepare_op
 
     q = {t: _qinfo(mn, mx) for t, _, mn, mx in case.inputs} | case.const_qinfo
     try:
         prepared = prepare_op(lookup(case.op.type, Device.DSP)(), case.op, tuple(q[t] for t in case.op.inputs),
-                              PrepareContext(get_profile("dsp"), case.consts, case.const_qinfo))
+                              PrepareContext(device_spec("dsp"), case.consts, case.const_qinfo))
     except Exception as e:  # noqa: BLE001 - maceq's refusal
         return False, f"prepare raises {type(e).__name__}: {str(e).splitlines()[0]}"
     return prepared.placement.device is Device.DSP, prepared.placement.reason
@@ -896,13 +896,13 @@ def maceq_case(case: Case):
     """maceq's dsp kernel on the case -> (on_dsp, reason, (y, y_min, y_max)) (placement and result)."""
     from maceq.runtime.model import PrepareContext, QTensor
     from maceq.runtime.ops_dsp import rng
-    from maceq.runtime.profiles import Device, get_profile
+    from maceq.runtime.devices import Device, device_spec
     from maceq.runtime.registry import lookup, prepare_op
 
     fed = {t: QTensor(a, _qinfo(mn, mx)) for t, a, mn, mx in case.inputs}
     ins = [fed[t] if t in fed else QTensor(case.consts[t], case.const_qinfo[t]) for t in case.op.inputs]
     prepared = prepare_op(lookup(case.op.type, Device.DSP)(), case.op, tuple(t.qinfo for t in ins),
-                          PrepareContext(get_profile("dsp"), case.consts, case.const_qinfo))
+                          PrepareContext(device_spec("dsp"), case.consts, case.const_qinfo))
     out = prepared.run(ins)[0]
     mn, mx = rng(out.qinfo)
     return prepared.placement.device is Device.DSP, prepared.placement.reason, (out.values, mn, mx)

@@ -108,6 +108,8 @@ class DeviceSpec:
     #: holds, with its border outputs (runtime/kernels/dw3x3_arm.py). True where the op runs on MACE's
     #: ARM CPU runtime (the cpu device, and the dsp device's cpu fallback).
     depthwise_3x3_fast_path: bool = False
+    #: float ops run MACE's NEON fp32 kernels (docs/float-neon.md); else the reference float kernels
+    neon_float_kernels: bool = False
     #: a linear Resize can be written as a uint8 ResizeBilinear (the device has that integer kernel)
     uint8_resize: bool = True
     #: where ops run that the device's own kernels lack or reject (None: every op has a kernel here)
@@ -130,6 +132,7 @@ CPU = DeviceSpec(
     find_range_every_time=True,
     honours_activation_args=False,
     depthwise_3x3_fast_path=True,
+    neon_float_kernels=True,
 )
 
 GPU = DeviceSpec(
@@ -174,11 +177,9 @@ DSP = DeviceSpec(
 )
 
 SPECS: dict[Device, DeviceSpec] = {Device.CPU: CPU, Device.GPU: GPU, Device.DSP: DSP}
-PROFILES = SPECS
-DeviceProfile = DeviceSpec
 
 
-def get_profile(device: "str | Device") -> DeviceSpec:
+def device_spec(device: "str | Device") -> DeviceSpec:
     d = Device.parse(device)
     if d not in SPECS:
         raise MaceqError(f"device '{d.value}' has no spec yet (available: {', '.join(p.value for p in SPECS)})")
