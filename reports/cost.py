@@ -59,7 +59,7 @@ def float_share(model: Model, device: "Device | str") -> FloatShare:
     compute = [op for op in ops if op.type not in ("Quantize", "Dequantize")]
     transfers = fallback_ops = 0
     if device_spec(device).fallback is not None:
-        placement = model.placement(device.value)
+        placement = model.placement(device)
         transfers = model.boundary_transfers(placement)
         fallback_ops = sum(1 for where, _ in placement.values() if where != device.value)
     return FloatShare(device, len(compute), sum(1 for op in compute if is_float(op)),

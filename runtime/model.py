@@ -155,7 +155,7 @@ class Model:
             k = self._kernels[key] = lookup(op.type, device, dtype=key[2], op_name=op.name)()
         return k
 
-    def context(self, device: str | Device = "cpu", backend: str = "numpy") -> PrepareContext:
+    def context(self, device: "Device | str" = Device.CPU, backend: str = "numpy") -> PrepareContext:
         """What the model's kernels are prepared with on ``device`` (``backend``: "numpy" or "opencl")."""
         return PrepareContext(device_spec(device), self.consts, self.const_qinfo, _backend(backend))
 
@@ -174,7 +174,7 @@ class Model:
         for plan in self._prepared.values():
             plan.forget(idx)
 
-    def placement(self, device: str) -> dict[str, tuple[str, str]]:
+    def placement(self, device: "Device | str") -> dict[str, tuple[str, str]]:
         """Op name -> (where it runs, why it fell back), from one run on a probe input.
 
         On dsp, ops nnlib lacks or rejects run the cpu profile's kernels; the report counts the
@@ -195,10 +195,10 @@ class Model:
     def probe_ops(self, profile: DeviceSpec) -> list[PreparedOp]:
         """Every op as one run on the probe input (:meth:`probe_inputs`) prepared it."""
         with _threads.section():
-            plan = self._plan(profile.device.value, "numpy")
+            plan = self._plan(profile.device, "numpy")
             return self._evaluate(plan, self._feed(self.probe_inputs()))
 
-    def deviations(self, device: str) -> dict[str, str]:
+    def deviations(self, device: "Device | str") -> dict[str, str]:
         """Op name -> how the device's result departs from the convolution the model means.
 
         Only ops whose device path computes something else are listed (today: uint8 3x3 depthwise
@@ -223,7 +223,7 @@ class Model:
         """MACE tensor name -> the source-graph tensor it holds (recorded by the writer; identity elsewhere)."""
         return dict(self.maceq_meta.get("tensor_map") or {})
 
-    def run_op(self, op: RtOp, inputs: list, *, device: str = "cpu") -> list:
+    def run_op(self, op: RtOp, inputs: list, *, device: "Device | str" = Device.CPU) -> list:
         """Run one op on given QTensors (constants are looked up): the isolated-layer analysis uses this."""
         ins = [t if t is not None else QTensor(self.consts[name], self.const_qinfo.get(name))
                for name, t in zip(op.inputs, list(inputs) + [None] * (len(op.inputs) - len(inputs)))]
@@ -235,7 +235,7 @@ class Model:
         return sum(1 for op in self.ops for i in op.inputs
                    if i in where_made and where_made[i] != placement[op.name][0])
 
-    def run(self, inputs: dict[str, np.ndarray], *, device: str = "cpu", intermediates: bool = False,
+    def run(self, inputs: dict[str, np.ndarray], *, device: "Device | str" = Device.CPU, intermediates: bool = False,
             backend: str = "numpy", before_op=None, threads: int | None = None):
         """Run the model on float inputs; returns {output: float32 array}, or a RunResult with intermediates.
 

@@ -320,12 +320,10 @@ class Pooling(Kernel):
 
 @dataclass(frozen=True)
 class ReduceParams:
+    """MEAN over ``axes`` of the codes; the output keeps the input's quantization (reduce.cc)."""
+
     axes: tuple[int, ...]
     keepdims: bool
-    in_scale: np.float32
-    in_zp: int
-    out_scale: np.float32
-    out_zp: int
 
 
 @register("Reduce")
@@ -333,10 +331,8 @@ class Reduce(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> ReduceParams:
         if int(op.arg("reduce_type", ReduceType.MEAN)) != ReduceType.MEAN:
             raise MaceqError(f"op '{op.name}': uint8 Reduce supports MEAN (reduce_type 0) only")
-        q = _require_q(op, in_q[0], "input")
-        o = op.out_qinfo[0] if op.out_qinfo else q
-        return ReduceParams(tuple(op.arg("axis", [1, 2])), bool(op.arg("keepdims", 1)), np.float32(q.scale),
-                            q.zero_point, np.float32(o.scale), o.zero_point)
+        _require_q(op, in_q[0], "input")
+        return ReduceParams(tuple(op.arg("axis", [1, 2])), bool(op.arg("keepdims", 1)))
 
     def run(self, prepared, inputs):
         p = prepared.params
