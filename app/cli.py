@@ -5,9 +5,11 @@ Bad input prints one line, ``error: ...``, and exits with status 2; no traceback
 from __future__ import annotations
 
 import argparse
+import difflib
 import io
 import json
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -21,13 +23,16 @@ from maceq.app.pipeline import calibrate, correct_bias, quantize
 from maceq.calibrate.methods import RangeMethod
 from maceq.calibrate.parallel import Executor
 from maceq.datasets.images import ImageFolder, load_image
-from maceq.datasets.preprocess import Preprocess, preprocess_from_args
+from maceq.datasets.preprocess import PRESETS, Preprocess, preprocess_from_args
 from maceq.errors import MaceqError
+from maceq.mace.enums import DataType
 from maceq.mace.format import check_model_name
 from maceq.quant.config import QuantConfig, load_config
 from maceq.reports.budget import run_check
+from maceq.reports.cost import float_share
 from maceq.reports.evaluate import device_path_lines, evaluate, evaluate_segmentation
 from maceq.reports.report import make_report
+from maceq.runtime.devices import Device
 from maceq.runtime.model import load
 from maceq.yamlio import atomic_write, read_yaml
 
@@ -59,7 +64,7 @@ def _csv_numbers(text: str, kind=float, *, what: str):
 
 def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("preprocessing (defaults: what the model was calibrated with, or the preset)")
-    g.add_argument("--preset", help="preprocessing preset: imagenet, tf, fmnist")
+    g.add_argument("--preset", help=f"preprocessing preset: {', '.join(PRESETS)}")
     g.add_argument("--preprocess", metavar="YAML", help="YAML file with preprocessing keys")
     g.add_argument("--resize-short", type=int, help="resize the short side to N pixels (bilinear)")
     g.add_argument("--resize", help="resize to H,W")
@@ -96,6 +101,29 @@ def _preprocess_from(args, recorded: dict | None):
 
 def _format_warning(message, category, filename, lineno, line=None):
     return f"warning: {message}\n"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: what is wrong, the closest known options, and where to look."""
+
+    def error(self, message):
+        hint = ""
+        bad = re.search(r"unrecognized arguments: (\S+)", message)
+        if bad:
+            close = difflib.get_close_matches(bad.group(1).split("=")[0], _option_strings(self), n=2)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        self.exit(2, f"error: {self.prog}: {message}{hint}; see {self.prog} --help\n")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of ``parser`` and of its subcommands."""
+    out = []
+    for action in parser._actions:
+        out += list(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += _option_strings(sub)
+    return out
 
 
 def _run_cli(fn, argv):
@@ -142,7 +170,7 @@ def _quantize(argv) -> int:
 
 def _quantize_parser() -> argparse.ArgumentParser:
     """The argument parser of ``quantize``."""
-    p = argparse.ArgumentParser(prog="quantize", description="Quantize an ONNX model to a uint8 MACE model and "
+    p = _Parser(prog="quantize", description="Quantize an ONNX model to a uint8 MACE model and "
                                 "simulate it bit-exactly. With no model, quantizes the embedded Fashion-MNIST demo.")
     p.add_argument("model", nargs="?", help="float ONNX model (default: the embedded demo model)")
     p.add_argument("--calib-dir", help="folder of calibration images (searched recursively)")
@@ -165,7 +193,7 @@ def _quantize_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-report", dest="report", action="store_false",
                    help="do not write report.html/report.json beside the model (written whenever images are "
                         "evaluated: --eval-dir, the demo, or --accuracy-budget)")
-    p.add_argument("--budget", help="after quantizing, check the report against this budget YAML (implies --report)")
+    p.add_argument("--budget", help="after quantizing, check the report against this budget YAML (needs --eval-dir)")
     _add_mixed_precision_args(p)
     p.add_argument("--strict", action="store_true",
                    help="fail instead of running ops without a uint8 kernel in float32 (float fallback)")
@@ -228,7 +256,13 @@ def _quantize_options(args) -> _QuantizeOptions:
     name = args.name or Path(args.model).stem
     check_model_name(name)
     out = Path(args.output) if args.output else default_output_root() / name
-    devices = tuple(d.strip() for d in args.device.split(",") if d.strip())
+    devices = tuple(Device.parse(d.strip()).value for d in args.device.split(",") if d.strip())
+    if not devices or len(set(devices)) != len(devices):
+        raise MaceqError(f"--device: give each device once, got '{args.device}'")
+    if args.budget and not args.eval_dir:
+        raise MaceqError("--budget needs --eval-dir (the images the report measures)")
+    if args.budget and not Path(args.budget).is_file():
+        raise MaceqError(f"{args.budget}: no such budget file")
     if args.accuracy_budget is None:
         for flag, value in (("--min-sqnr", args.min_sqnr), ("--max-fp32-layers", args.max_fp32_layers)):
             if value is not None:
@@ -298,15 +332,18 @@ def _print_quantize_summary(model: str, res) -> None:
               + (" ..." if len(kept) > 8 else ""))
     fallback = [n for n, where in res.placement.items() if where != "uint8" and n not in kept]
     if fallback:
-        print(f"{len(fallback)} of {len(res.placement)} ops run in float32 (no uint8 kernel on the cpu device): "
+        print(f"{len(fallback)} of {len(res.placement)} nodes run in float32 (no uint8 kernel): "
               + ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8 else ""))
+    for device, f in res.per_device.items():
+        share = float_share(load(f.yml), device)
+        print(f"  [{device}] {share.describe()}")
+        if share.warning:
+            print(f"  {share.warning}")
 
 
 def _evaluate_quantized(args, opts: _QuantizeOptions, res) -> int:
     """With --eval-dir: evaluate each device's model, then write the report and check the budget; the exit status."""
     if not args.eval_dir:
-        if args.budget:
-            raise MaceqError("--budget needs --eval-dir (the images the report measures)")
         return 0
     data = ImageFolder(args.eval_dir, opts.pre, labels=args.labels or "auto", classes=opts.extra_meta.get("classes"))
     print(f"evaluation on {args.eval_dir}:")
@@ -466,7 +503,7 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-
+    """Print the model's tensors, its float share on the device and every op with its quantization."""
     model = load(args.qmodel)
     net = model.net_def
     device = args.device or model.maceq_meta.get("device", "cpu")
@@ -474,17 +511,14 @@ def _cmd_inspect(args) -> int:
     sizes = {t.name: int(model.consts[t.name].nbytes) for t in net.tensors}
     print(f"model {args.qmodel}: {len(net.op)} ops, {len(net.tensors)} constant tensors, "
           f"{sum(sizes.values())} bytes of weights")
-    print(f"inputs:  " + ", ".join(f"{i.name} {list(i.dims)} scale={i.scale:.6g} zp={i.zero_point}"
+    print("inputs:  " + ", ".join(f"{i.name} {list(i.dims)} scale={i.scale:.6g} zp={i.zero_point}"
                                    for i in net.input_info))
-    print(f"outputs: " + ", ".join(f"{o.name} {list(o.dims)} scale={o.scale:.6g} zp={o.zero_point}"
+    print("outputs: " + ", ".join(f"{o.name} {list(o.dims)} scale={o.scale:.6g} zp={o.zero_point}"
                                    for o in net.output_info))
-    n_float = sum(1 for op in model.ops if op.arg("T") == 1)
-    n_conv = sum(1 for op in model.ops if op.type in ("Quantize", "Dequantize"))
-    print(f"precision: {len(model.ops) - n_float - n_conv} uint8 ops, {n_float} float32 ops (float fallback), "
-          f"{n_conv} Quantize/Dequantize boundaries")
-    on_dev = sum(1 for w, _ in place.values() if w == device)
-    print(f"placement on {device}: {on_dev} ops on {device}, {len(place) - on_dev} on the cpu (fallback), "
-          f"{model.boundary_transfers(place)} boundary transfers")
+    share = float_share(model, device)
+    print(f"on {device}: {share.describe()}")
+    if share.warning:
+        print(share.warning)
     for line in device_path_lines(model.deviations(device), list(model.maceq_meta.get("safe_forms") or [])):
         print(line.strip())
     print(f"{'#':>3}  {'op type':<16} {'prec':<5} {'runs on':<7} {'name':<44} {'output shape':<18} {'scale':>11} "
@@ -494,7 +528,7 @@ def _cmd_inspect(args) -> int:
         w = [f"{i}({sizes[i]}B, s={model.const_qinfo[i].scale:.3g}, zp={model.const_qinfo[i].zero_point})"
              for i in op.inputs if i in sizes]
         shape = "x".join(map(str, op.output_shapes[0])) if op.output_shapes else "?"
-        prec = "fp32" if op.arg("T") == 1 else "uint8"
+        prec = "fp32" if op.arg("T") == DataType.DT_FLOAT else "uint8"
         where, why = place[op.name]
         print(f"{k:>3}  {op.type:<16} {prec:<5} {where:<7} {op.name[:44]:<44} {shape:<18} "
               f"{(f'{q.scale:.5g}' if q else '-'):>11} {(q.zero_point if q else '-'):>4}  {' '.join(w)}"
@@ -520,7 +554,7 @@ def _cmd_report(args) -> int:
 
 
 def _maceq(argv) -> int:
-    p = argparse.ArgumentParser(prog="maceq", description="Run, evaluate and inspect quantized MACE models.")
+    p = _Parser(prog="maceq", description="Run, evaluate and inspect quantized MACE models.")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run one input through the int8 model")
     r.add_argument("qmodel", help="the model's deployment .yml or .pb")

@@ -859,6 +859,10 @@ def read_model(path) -> LoadedModel:
 
 
 def _read_model(path: Path) -> LoadedModel:
+    if path.suffix.lower() == ".onnx":
+        raise MaceqError(f"{path}: an ONNX model; give the quantized model's .yml (`quantize` writes it)")
+    if path.is_dir():
+        raise MaceqError(f"{path}: a folder; give the quantized model's .yml")
     deployment = None
     pb_from_yml = data_from_yml = False
     entry: dict = {}

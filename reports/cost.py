@@ -33,7 +33,7 @@ class FloatShare:
 
     def describe(self) -> str:
         """One line: the float share of ops and MACs, the boundaries, and the fallback traffic."""
-        line = (f"{self.float_ops} of {self.ops} ops in float32 ({100 * self.float_mac_share:.1f}% of "
+        line = (f"{self.float_ops} of {self.ops} compute ops in float32 ({100 * self.float_mac_share:.1f}% of "
                 f"{self.macs:,} MACs), {self.boundaries} float<->uint8 boundaries")
         fallback = device_spec(self.device).fallback
         if fallback is not None:

@@ -34,14 +34,17 @@ class EvalResult:
     deviations: dict = field(default_factory=dict)
     #: Ops the writer rewrote into a form the device computes right (from the model's .yml).
     safe_forms: list = field(default_factory=list)
+    #: Scores per image (the classes); top-5 containment is shown only above 5.
+    classes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def lines(self) -> list[str]:
         out = [f"device {self.device}: {self.images} images ({self.skipped} skipped)",
-               f"  top-1 agreement float vs int8:  {100 * self.top1_agreement:6.2f}%",
-               f"  float top-1 in int8 top-5:      {100 * self.float_top1_in_int8_top5:6.2f}%"]
+               f"  top-1 agreement float vs int8:  {100 * self.top1_agreement:6.2f}%"]
+        if self.classes == 0 or self.classes > 5:
+            out.append(f"  float top-1 in int8 top-5:      {100 * self.float_top1_in_int8_top5:6.2f}%")
         if self.float_accuracy is not None:
             out += [f"  float accuracy:                 {100 * self.float_accuracy:6.2f}%",
                     f"  int8 accuracy:                  {100 * self.int8_accuracy:6.2f}%",
@@ -160,4 +163,4 @@ def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *,
     return EvalResult(device, n, data.skipped, agree / n, top5 / n,
                       f_correct / n if have_labels else None, q_correct / n if have_labels else None,
                       deviations=model.deviations(device),
-                      safe_forms=list(model.maceq_meta.get("safe_forms") or []))
+                      safe_forms=list(model.maceq_meta.get("safe_forms") or []), classes=int(f_logits.shape[1]))

@@ -1,0 +1,61 @@
+"""The command line refuses bad options in one line, before any work, and points at the fix."""
+from __future__ import annotations
+
+import pytest
+
+from maceq.app.cli import maceq_main, quantize_main
+from maceq.datasets.preprocess import PRESETS
+
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_an_unknown_device_is_refused_before_calibration(tmp_path, capsys, shared_data):
+    out = tmp_path / "out"
+    rc = quantize_main([str(shared_data / "models" / "mobilenet_v2.onnx"), "--calib-dir", str(tmp_path),
+                        "--device", "cpu,npu", "-o", str(out)])
+    assert rc == 2 and "unknown device 'npu' (choose from cpu, gpu, dsp)" in _one_line_error(capsys)
+    assert not out.exists()
+
+
+def test_a_budget_without_eval_images_is_refused_before_calibration(tmp_path, capsys, shared_data):
+    budget = tmp_path / "b.yml"
+    budget.write_text("max_top1_drop: 1\n")
+    rc = quantize_main([str(shared_data / "models" / "mobilenet_v2.onnx"), "--calib-dir", str(tmp_path),
+                        "--budget", str(budget), "-o", str(tmp_path / "out")])
+    assert rc == 2 and "--budget needs --eval-dir" in _one_line_error(capsys)
+
+
+def test_an_option_typo_gets_one_line_with_the_closest_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        quantize_main(["--calib-dri", "x"])
+    err = _one_line_error(capsys)
+    assert e.value.code == 2 and "--calib-dri" in err and "did you mean --calib-dir" in err
+    assert err.endswith("see quantize --help")
+
+
+def test_the_help_lists_every_preset(capsys):
+    with pytest.raises(SystemExit):
+        quantize_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"preprocessing preset: {', '.join(PRESETS)}" in text
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "eval"])
+def test_an_onnx_model_given_to_maceq_asks_for_the_quantized_yml(cmd, capsys, shared_data):
+    argv = [cmd, str(shared_data / "models" / "mobilenet_v2.onnx")] + (["--images", "x"] if cmd == "eval" else [])
+    assert maceq_main(argv) == 2
+    assert "an ONNX model; give the quantized model's .yml" in _one_line_error(capsys)
+
+
+def test_top5_containment_is_printed_only_for_more_than_five_classes():
+    from maceq.reports.evaluate import EvalResult
+
+    few = EvalResult("cpu", 10, 0, 0.9, 1.0, classes=4).lines()
+    many = EvalResult("cpu", 10, 0, 0.9, 0.95, classes=10).lines()
+    assert not any("top-5" in line for line in few) and "top-1 agreement float vs int8:   90.00%" in few[1]
+    assert "  float top-1 in int8 top-5:       95.00%" in many
