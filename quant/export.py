@@ -12,6 +12,7 @@ import numpy as np
 
 from maceq.datasets.preprocess import Preprocess
 from maceq.errors import MaceqError
+from maceq.mace.cpu_ops import unsupported_ops
 from maceq.mace.format import write_model
 from maceq.quant.build import build_mace_model, check_supported, select_nodes
 from maceq.quant.config import QuantConfig
@@ -138,6 +139,7 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
         built = build_mace_model(cal.graph_for(device.value, fp32), cal.ranges, cal.shapes, model_name=name,
                                  strict=strict, fp32=fp32, device=device)
         check_output_shapes(built, device, cal.graph, cal.shapes)
+        check_mace_loads(built)
         forms_meta = result.device_forms[device.value] = _device_forms(built, device, safe=config.safe_forms)
         recovery = list(cal.recovery) + list(cal.device_recovery.get(device.value, []))
         fallback = sorted(n for n, where in placements[device].items() if where != "uint8" and n not in fp32)
@@ -196,6 +198,17 @@ def _output_dir(output_dir, device: Device, *, several: bool) -> Path:
     except OSError as e:
         raise MaceqError(f"{out_dir}: cannot create the output folder ({e.strerror})") from None
     return out_dir
+
+
+def check_mace_loads(built) -> None:
+    """Refuse, naming the op, a built model with an op stock MACE's CPU runtime has no kernel for
+    (mace/cpu_ops.py): MACE would refuse to load it."""
+    bad = unsupported_ops(built.multi_net_def.net_def[0])
+    if bad:
+        name, op_type, dtype = bad[0]
+        node = built.op_sources.get(name, name)
+        raise MaceqError(f"node '{node}': the writer made a {op_type} op with T={dtype}, which stock MACE's CPU "
+                         f"runtime has no kernel for; no model was written")
 
 
 def check_output_shapes(built, device: Device, graph: Graph, shapes: dict) -> None:

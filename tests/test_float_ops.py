@@ -21,10 +21,16 @@ from PIL import Image
 
 import maceq.runtime.ops_float  # noqa: F401  (registers the float kernels)
 from maceq.errors import MaceqError
-from maceq.quant.ir import ACT_ATTR, Graph
 from maceq.mace import add_arg, mace_pb2, read_model, write_model
-from maceq.quant.float_emit import (FLOAT_EMITTABLE, FloatEmission, cancel_inverse_transposes,
-                                        emit_float_node, stored_shape)
+from maceq.mace.cpu_ops import unsupported_ops
+from maceq.quant.float_emit import (
+    FLOAT_EMITTABLE,
+    FloatEmission,
+    cancel_inverse_transposes,
+    emit_float_node,
+    stored_shape,
+)
+from maceq.quant.ir import ACT_ATTR, Graph
 from maceq.quant.onnx_import import import_onnx
 from maceq.runtime import load
 from maceq.runtime.model import Model
@@ -109,6 +115,7 @@ def run_case(nodes, inputs: dict, inits: dict | None = None, *, opset: int = 17,
     shapes = g.infer_shapes({k: list(v.shape) for k, v in inputs.items()})
     ems = emit_graph(g, shapes)
     net, arrays = build_net(g, shapes, ems)
+    assert unsupported_ops(net) == []  # every emitted op has a kernel in stock MACE's CPU runtime
     got = Model(SimpleNamespace(net_def=net, arrays=arrays, deployment=None)).run(dict(inputs))
     err = max(rel_err(got[o], w) for o, w in zip(outputs, want))
     return err, ems

@@ -159,3 +159,28 @@ def test_a_built_model_whose_shapes_depart_from_onnx_is_refused_naming_the_node(
     with pytest.raises(MaceqError, match=r"node 'mp' \(MaxPool\): the written cpu model would compute 'y' with "
                                          r"shape \(1, 3, 3, 4\), ONNX shape inference gives \(1, 4, 4, 4\)"):
         check_output_shapes(built, Device.CPU, g, shapes)
+
+
+def test_an_op_stock_mace_has_no_kernel_for_is_refused_before_writing(tmp_path):
+    """MACE's CPU runtime registers Reshape for float only: a uint8 Reshape would not load."""
+    from maceq.errors import MaceqError
+    from maceq.mace.cpu_ops import CPU_FLOAT_OPS, CPU_UINT8_OPS
+    from maceq.mace.enums import DataType
+    from maceq.quant.build import build_mace_model
+    from maceq.quant.export import check_mace_loads
+    from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
+
+    assert "Reshape" in CPU_FLOAT_OPS and "Reshape" not in CPU_UINT8_OPS and "Conv2D" in CPU_UINT8_OPS
+    rng = np.random.default_rng(7)
+    inits = {"w": rng.normal(0, .4, (4, 3, 3, 3)).astype(np.float32), "s": np.array([0, -1, 4], np.int64)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="c"),
+             helper.make_node("Transpose", ["c"], ["t"], perm=[0, 2, 3, 1], name="t"),
+             helper.make_node("Reshape", ["t", "s"], ["y"], name="r")]
+    g, _, shapes = prepare_graph(_save(tmp_path / "r.onnx", nodes, inits, size=8), input_shape=[1, 3, 8, 8])
+    built = build_mace_model(g, {t: (-1.0, 1.0) for t in tensors_to_calibrate(g)}, shapes, model_name="r")
+    check_mace_loads(built)  # as built: the Reshape is a float op
+    reshape = next(op for op in built.multi_net_def.net_def[0].op if op.type == "Reshape")
+    next(a for a in reshape.arg if a.name == "T").i = DataType.DT_UINT8
+    with pytest.raises(MaceqError, match=r"a Reshape op with T=DT_UINT8, which stock MACE's CPU runtime has no "
+                                         r"kernel for; no model was written"):
+        check_mace_loads(built)
