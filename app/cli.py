@@ -22,6 +22,7 @@ from maceq.app.mixed import auto_mixed_precision, holdout_split
 from maceq.app.pipeline import calibrate, correct_bias, quantize
 from maceq.calibrate.methods import RangeMethod
 from maceq.calibrate.parallel import Executor
+from maceq.calibrate.runner import load_onnx
 from maceq.datasets.images import ImageFolder, load_image
 from maceq.datasets.preprocess import PRESETS, Preprocess, preprocess_from_args
 from maceq.errors import MaceqError
@@ -253,6 +254,8 @@ def _quantize_options(args) -> _QuantizeOptions:
     config = _quantize_config(args)
     pre = _preprocess_from(args, config.preprocess)
     input_shape = _csv_numbers(args.input_shape, int, what="--input-shape") if args.input_shape else None
+    if not (args.preset or args.preprocess or config.preprocess):
+        pre = _fit_to_model(pre, args.model, input_shape, quiet=args.quiet)
     name = args.name or Path(args.model).stem
     check_model_name(name)
     out = Path(args.output) if args.output else default_output_root() / name
@@ -268,6 +271,24 @@ def _quantize_options(args) -> _QuantizeOptions:
             if value is not None:
                 raise MaceqError(f"{flag} needs --accuracy-budget")
     return _QuantizeOptions(config, pre, input_shape, name, out, devices, extra_meta)
+
+
+def _fit_to_model(pre: Preprocess, model: str, input_shape, *, quiet: bool) -> Preprocess:
+    """Without a preset: the size, channels and layout the model's input demands, said aloud."""
+    if input_shape is not None:
+        dims = list(input_shape)
+    else:
+        graph = load_onnx(model).graph
+        inits = {t.name for t in graph.initializer}
+        inp = next((i for i in graph.input if i.name not in inits), None)
+        if inp is None:
+            return pre
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in inp.type.tensor_type.shape.dim]
+    fitted, changes = pre.fitted_to(dims)
+    if changes and not quiet:
+        print(f"preprocessing from the model's input {'x'.join(map(str, dims))}: {', '.join(changes)} "
+              f"(no --preset given)")
+    return fitted
 
 
 def _apply_demo_defaults(args) -> dict:

@@ -233,6 +233,31 @@ class Preprocess:
         h, w = hw
         return (self.channels, h, w) if self.layout is Layout.NCHW else (h, w, self.channels)
 
+    def fitted_to(self, dims) -> tuple["Preprocess", list[str]]:
+        """This preprocessing completed from a model input's dims (with batch; ints, or names where
+        free): the layout (NHWC when the last dim is 1 or 3 and the second is not), the channels
+        (grayscale for 1), and the size when nothing fixes it (a resize, or a crop after
+        ``resize_short``). Returns it and what was filled in; MaceqError when the size is free in both."""
+        if len(dims) != 4:
+            return self, []
+        nhwc = dims[3] in (1, 3) and dims[1] not in (1, 3)
+        c, h, w = (dims[3], dims[1], dims[2]) if nhwc else (dims[1], dims[2], dims[3])
+        changes, over = [], {}
+        if nhwc and self.layout is not Layout.NHWC:
+            over["layout"] = Layout.NHWC
+            changes.append("layout NHWC")
+        if c == 1 and self.color is not ColorOrder.GRAY:
+            over["color"] = ColorOrder.GRAY
+            changes.append("grayscale")
+        if self.target_hw is None:
+            if not (isinstance(h, int) and isinstance(w, int) and h > 0 and w > 0):
+                raise MaceqError(f"the model input's size is free ({'x'.join(map(str, dims))}) and the "
+                                 f"preprocessing fixes none: give --resize H,W (or a --preset)")
+            key = "center_crop" if self.resize_short is not None else "resize"
+            over[key] = (h, w)
+            changes.append(f"{'center crop' if key == 'center_crop' else 'resize'} to {h}x{w}")
+        return (self.with_overrides(**over) if over else self), changes
+
     # -- (de)serialisation -----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/YAML-safe dict; ``Preprocess.from_dict(p.to_dict()) == p``."""

@@ -59,3 +59,25 @@ def test_top5_containment_is_printed_only_for_more_than_five_classes():
     many = EvalResult("cpu", 10, 0, 0.9, 0.95, classes=10).lines()
     assert not any("top-5" in line for line in few) and "top-1 agreement float vs int8:   90.00%" in few[1]
     assert "  float top-1 in int8 top-5:       95.00%" in many
+
+
+def test_preprocessing_is_completed_from_the_model_input():
+    from maceq.datasets.preprocess import ColorOrder, Layout, Preprocess
+    from maceq.errors import MaceqError
+
+    pre, changes = Preprocess().fitted_to(["N", 1, 28, 28])
+    assert pre.color is ColorOrder.GRAY and pre.resize == (28, 28) and changes == ["grayscale", "resize to 28x28"]
+    pre, changes = Preprocess(resize_short=256).fitted_to([1, 224, 224, 3])
+    assert pre.layout is Layout.NHWC and pre.center_crop == (224, 224) and pre.output_shape() == (224, 224, 3)
+    pre, changes = Preprocess(resize=(64, 64)).fitted_to([1, 3, 64, 64])
+    assert changes == [] and pre == Preprocess(resize=(64, 64))
+    with pytest.raises(MaceqError, match=r"the model input's size is free \(Nx3xHxW\).*give --resize H,W"):
+        Preprocess().fitted_to(["N", 3, "H", "W"])
+
+
+def test_quantize_without_a_preset_says_what_it_took_from_the_model(tmp_path, capsys, shared_data):
+    rc = quantize_main([str(shared_data / "models" / "fmnist_mobilenet.onnx"), "--calib-dir",
+                        str(shared_data / "fashion_mnist" / "test" / "Bag"), "--max-images", "4", "--no-report",
+                        "-o", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "preprocessing from the model's input Nx1x28x28: grayscale, resize to 28x28 (no --preset given)" in out
