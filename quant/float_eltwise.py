@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from maceq.mace import add_arg
-from maceq.mace.enums import EltwiseType
+from maceq.mace.enums import DataType, EltwiseType
 from maceq.quant.float_core import TO_NHWC, Emitter, stored_shape
 
 #: ONNX binary op -> MACE Eltwise type
@@ -164,16 +164,20 @@ def clip(em: Emitter):
 
 
 def prelu(em: Emitter):
-    """PRelu: a scalar slope as LEAKYRELU, a per-channel slope of a 4-D input as PRELU (NCHW)."""
+    """PRelu: a scalar slope as LEAKYRELU, a per-channel slope as PRELU (NCHW). MACE's PRELU reads its
+    input as [N, C, H*W] (activation.cc): a 2-D input [N, C] runs it as [N, C, 1, 1], through Reshapes."""
     slope = em.const(1, "slope").astype(np.float32)
     x_shape = em.shape(0)
     if slope.size == 1:
         _leaky_relu(em, float(slope.ravel()[0]))
         return
     full = slope.reshape((1,) * (len(x_shape) - slope.ndim) + slope.shape) if slope.ndim <= len(x_shape) else None
-    if len(x_shape) != 4 or full is None or full.shape != (1, x_shape[1], 1, 1):
-        raise em.err(f"slope of shape {slope.shape}: only a scalar or a per-channel slope on a 4-D "
+    if len(x_shape) not in (2, 4) or full is None or full.shape != (1, x_shape[1]) + (1,) * (len(x_shape) - 2):
+        raise em.err(f"slope of shape {slope.shape}: only a scalar or a per-channel slope on a 2-D or 4-D "
                      "input is supported")
+    if len(x_shape) == 2:
+        _prelu_2d(em, full.reshape(-1))
+        return
     out_nchw = em.oshape()
     x = em.nchw_in(0)
     dst, trailing = em.result(fusable=False)
@@ -182,3 +186,21 @@ def prelu(em: Emitter):
     add_arg(op, "activation", "PRELU")
     em.nhwc_out(y, out_nchw, dst)
     em.finish(dst, trailing, stored_shape(out_nchw))
+
+
+def _prelu_2d(em: Emitter, alpha: np.ndarray):
+    """PRELU on [N, C]: Reshape to [N, C, 1, 1] (0 keeps the batch), PRELU, Reshape back."""
+    n, c = em.shape(0)
+    dst, trailing = em.result(fusable=False)
+    up, act = em.tmp("4d"), em.tmp("prelu")
+    _reshape(em, em.src(0), up, [0, c, 1, 1], [n, c, 1, 1])
+    op = em.add_op("Activation", [up, em.add_const("alpha", alpha)], [act], [[n, c, 1, 1]])
+    add_arg(op, "activation", "PRELU")
+    _reshape(em, act, dst, [0, c], [n, c])
+    em.finish(dst, trailing, [n, c])
+
+
+def _reshape(em: Emitter, src: str, dst: str, dims: list[int], shape: list[int]):
+    """A MACE Reshape of ``src`` to ``dims`` (0 copies the input's dim)."""
+    op = em.add_op("Reshape", [src, em.add_const("shape", np.array(dims), DataType.DT_INT32)], [dst], [shape])
+    add_arg(op, "dim", dims)

@@ -274,8 +274,8 @@ class GpuFloatActivation(_GpuKernel, _F.Activation):
         act = prepared.params.act
         kind = _HALF_ACTIVATIONS.get(act.kind)
         x = inputs[0].values
-        if kind is None or x.dtype != np.float16:
-            out = super().run(prepared, [QTensor(x.astype(np.float32), None)])
+        if kind is None or x.dtype != np.float16:  # every input (PRELU's alpha too), widened
+            out = super().run(prepared, [QTensor(t.values.astype(np.float32), t.qinfo) for t in inputs])
             return [QTensor(out[0].values.astype(np.float16), None)]
         alpha = beta = None
         if kind is K.GpuActivation.HARD_SIGMOID:

@@ -347,6 +347,8 @@ def test_prelu():
     ems = check("PRelu/per_channel", node("PRelu", ["x", "s"]), {"x": randn(*X4)}, {"s": randn(3, 1, 1)})
     assert op_types(ems) == ["Transpose", "Activation", "Transpose"]
     check("PRelu/scalar", node("PRelu", ["x", "s"]), {"x": randn(*X4)}, {"s": np.array([0.2], np.float32)})
+    ems = check("PRelu/2d", node("PRelu", ["x", "s"]), {"x": randn(3, 11)}, {"s": randn(11)})
+    assert op_types(ems) == ["Reshape", "Activation", "Reshape"]
 
 
 def test_batchnorm():

@@ -184,3 +184,18 @@ def test_an_op_stock_mace_has_no_kernel_for_is_refused_before_writing(tmp_path):
     with pytest.raises(MaceqError, match=r"a Reshape op with T=DT_UINT8, which stock MACE's CPU runtime has no "
                                          r"kernel for; no model was written"):
         check_mace_loads(built)
+
+
+def test_prelu_per_channel_and_after_a_fully_connected_layer_on_every_device(tmp_path):
+    rng = np.random.default_rng(8)
+    inits = {"w": rng.normal(0, .4, (4, 3, 3, 3)).astype(np.float32),
+             "slope": np.array([.1, .2, .3, .4], np.float32).reshape(4, 1, 1),
+             "fc": rng.normal(0, .3, (4 * 8 * 8, 6)).astype(np.float32), "slope2": np.full(6, .25, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="c"),
+             helper.make_node("PRelu", ["c", "slope"], ["p"], name="prelu4d"),
+             helper.make_node("Flatten", ["p"], ["f"], axis=1, name="flat"),
+             helper.make_node("MatMul", ["f", "fc"], ["m"], name="fc"),
+             helper.make_node("PRelu", ["m", "slope2"], ["y"], name="prelu2d")]
+    res = _check_all_devices(tmp_path, _save(tmp_path / "prelu.onnx", nodes, inits, size=8), 8, tol=0.05)
+    ops = [op.type for op in load(res.per_device["gpu"].yml).ops]
+    assert ops.count("Activation") == 2 and ops[-3:] == ["Reshape", "Activation", "Reshape"]
