@@ -108,9 +108,9 @@ def _nearest(em: Emitter, ct: str, in_hw, out_hw, scales, out_nchw) -> str:
 
 
 def _bilinear_rule(em: Emitter, ct: str, in_hw, out_hw, scales):
-    """(align_corners, CoordMode) whose source coordinates equal onnxruntime's, or None."""
+    """(align_corners, ResizeCoordinateMode) whose source coordinates equal onnxruntime's, or None."""
     want = [np.clip(_onnx_coords(em, ct, i, o, s), 0, i - 1) for i, o, s in zip(in_hw, out_hw, scales)]
-    for align, cmode in ((False, K.CoordMode.NONE), (True, K.CoordMode.NONE), (False, K.CoordMode.HALF_PIXEL)):
+    for align, cmode in ((False, ResizeCoordinateMode.NONE), (True, ResizeCoordinateMode.NONE), (False, ResizeCoordinateMode.HALF_PIXEL)):
         ok = True
         for (i, o), w in zip(zip(in_hw, out_hw), want):
             lower, upper, lerp = K.bilinear_weights(i, o, align_corners=align, mode=cmode)
@@ -132,7 +132,7 @@ def _bilinear(em: Emitter, ct: str, in_hw, out_hw, scales, out_nchw) -> str:
     op = em.add_op("ResizeBilinear", [x], [y], [out_nchw])
     add_arg(op, "size", list(out_hw))
     add_arg(op, "align_corners", int(choice[0]))
-    if choice[1] is not K.CoordMode.NONE:
+    if choice[1] is not ResizeCoordinateMode.NONE:
         add_arg(op, "coordinate_transformation_mode", ResizeCoordinateMode(choice[1].value))
     return y
 

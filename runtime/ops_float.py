@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maceq.errors import MaceqError
-from maceq.mace.enums import DataFormat, FrameworkType, Padding, PoolingType, ReduceType, ResizeCoordinateMode
+from maceq.mace.enums import (
+    DataFormat,
+    EltwiseType,
+    FrameworkType,
+    Padding,
+    PoolingType,
+    ReduceType,
+    ResizeCoordinateMode,
+)
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernel import Kernel
 from maceq.runtime.kernels import float_ops as K
@@ -380,7 +388,7 @@ class Activation(Kernel):
 
 @dataclass(frozen=True)
 class EltParams:
-    kind: K.EltKind
+    kind: EltwiseType
     coeff: tuple[float, ...]
     scalar: float
     scalar_index: int
@@ -401,7 +409,7 @@ class Eltwise(Kernel):
     def prepare(self, op: RtOp, in_q, ctx) -> EltParams:
         t = int(op.arg("type", -1))
         try:
-            kind = K.EltKind(t)
+            kind = EltwiseType(t)
         except ValueError:
             raise _fail(op, f"Eltwise type {t} is not supported") from None
         if not 1 <= len(op.inputs) <= 2:
@@ -422,7 +430,7 @@ class Eltwise(Kernel):
         p, op = prepared.params, prepared.op
         a = inputs[0].values
         if len(inputs) == 1:
-            if p.kind in (K.EltKind.NEG, K.EltKind.ABS, K.EltKind.CLIP):
+            if p.kind in (EltwiseType.NEG, EltwiseType.ABS, EltwiseType.CLIP):
                 return [_out(K.eltwise(a, None, p.kind, coeff=p.coeff))]
             b = np.float32(p.scalar)
             return [_out(K.eltwise(a, b, p.kind, coeff=p.coeff, swapped=p.scalar_index == 0))]
@@ -488,7 +496,7 @@ def _data_axis(op: RtOp, axis: int, rank: int, *, has_df: bool, nhwc: bool) -> i
 
 @dataclass(frozen=True)
 class ReduceParams:
-    kind: K.ReduceKind
+    kind: ReduceType
     axes: tuple[int, ...]
     keepdims: bool
     has_df: bool
@@ -502,7 +510,7 @@ class Reduce(Kernel):
 
     def prepare(self, op: RtOp, in_q, ctx) -> ReduceParams:
         try:
-            kind = K.ReduceKind(int(op.arg("reduce_type", ReduceType.MEAN)))
+            kind = ReduceType(int(op.arg("reduce_type", ReduceType.MEAN)))
         except ValueError:
             raise _fail(op, f"reduce_type {op.arg('reduce_type')}") from None
         return ReduceParams(kind, tuple(op.arg("axis", []) or []), bool(op.arg("keepdims", 0)),
@@ -733,7 +741,7 @@ class ResizeParams:
     size: tuple[int, int] | None
     scales: tuple[float, float] | None
     align_corners: bool
-    mode: K.CoordMode
+    mode: ResizeCoordinateMode
 
 
 def _resize_params(op: RtOp, ctx, *, size_input: bool) -> ResizeParams:
@@ -748,7 +756,7 @@ def _resize_params(op: RtOp, ctx, *, size_input: bool) -> ResizeParams:
     if size is None and scales is None:
         raise _fail(op, "needs a size (arg or input) or height_scale/width_scale")
     try:
-        mode = K.CoordMode(int(op.arg("coordinate_transformation_mode", ResizeCoordinateMode.NONE)))
+        mode = ResizeCoordinateMode(int(op.arg("coordinate_transformation_mode", ResizeCoordinateMode.NONE)))
     except ValueError:
         raise _fail(op, f"coordinate_transformation_mode {op.arg('coordinate_transformation_mode')}") from None
     return ResizeParams(_nhwc_held(op), size, scales, bool(op.arg("align_corners", 0)), mode)
@@ -780,7 +788,7 @@ class ResizeNearestNeighbor(Kernel):
 
     def prepare(self, op: RtOp, in_q, ctx) -> ResizeParams:
         p = _resize_params(op, ctx, size_input=True)
-        if p.mode is not K.CoordMode.NONE:
+        if p.mode is not ResizeCoordinateMode.NONE:
             raise _fail(op, "coordinate_transformation_mode is not modelled for nearest-neighbour resize")
         nm = op.arg("nearest_mode", None)
         if nm not in (None, "floor") or (nm == "floor" and p.align_corners):

@@ -15,12 +15,12 @@ import numpy as np
 from maceq.errors import MaceqError
 from maceq.mace.enums import EltwiseType, PoolingType, ReduceType
 from maceq.runtime import ops_float as _F
+from maceq.runtime.devices import Device
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernel import Kernel
 from maceq.runtime.kernels import float_ops as KF
 from maceq.runtime.kernels import gpu as K
 from maceq.runtime.ops import op_pads, pooling_type
-from maceq.runtime.devices import Device
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import DType, register
 
@@ -292,7 +292,7 @@ class GpuFloatEltwise(_GpuKernel, _F.Eltwise):
     def run(self, prepared, inputs):
         vals = [t.values for t in inputs]
         ep = prepared.params
-        if (ep.kind is KF.EltKind.PROD and len(vals) == 2 and not any(ep.const_inputs)
+        if (ep.kind is EltwiseType.PROD and len(vals) == 2 and not any(ep.const_inputs)
                 and all(v.dtype == np.float16 for v in vals)):
             return [QTensor(prepared.plan.half_mul(vals[0], vals[1]), None)]
         out = super().run(prepared, [QTensor(v.astype(np.float32) if v.dtype == np.float16 else v, t.qinfo)

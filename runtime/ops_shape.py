@@ -15,7 +15,7 @@ from maceq.errors import MaceqError
 from maceq.mace.enums import ResizeCoordinateMode
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernel import Kernel
-from maceq.runtime.kernels.resize import MaceCoordMode, resize_bilinear_mace
+from maceq.runtime.kernels.resize import resize_bilinear_mace
 from maceq.runtime.qtypes import QTensor
 from maceq.runtime.registry import register
 
@@ -88,5 +88,5 @@ class ResizeBilinear(Kernel):
         p = prepared.params
         scale_hw = None if p.scale_hw is None else tuple(float(s) for s in p.scale_hw)
         y = resize_bilinear_mace(inputs[0].values, out_hw=None if scale_hw else p.out_hw, scale_hw=scale_hw,
-                                 align_corners=p.align_corners, coordinate_mode=MaceCoordMode(int(p.coordinate_mode)))
+                                 align_corners=p.align_corners, coordinate_mode=ResizeCoordinateMode(int(p.coordinate_mode)))
         return [QTensor(y, inputs[0].qinfo)]

@@ -16,6 +16,7 @@ import json
 import numpy as np
 import pytest
 
+from maceq.mace.enums import ReduceType
 from maceq.runtime import load
 from maceq.runtime.kernels import cfloat
 from maceq.runtime.kernels import float_ops as K
@@ -344,19 +345,19 @@ def _reduce_loops(x, kind, axes):
                                   for i in range(d[0]) for j in range(d[2])]}[(len(d), first)]()
     out = []
     for vals in order:
-        s = F32(1) if kind is K.ReduceKind.PROD else F32(0)
+        s = F32(1) if kind is ReduceType.PROD else F32(0)
         for v in vals:
-            s = F32(s * v) if kind is K.ReduceKind.PROD else F32(s + v)
-        out.append(F32(s / F32(len(vals))) if kind is K.ReduceKind.MEAN else s)
+            s = F32(s * v) if kind is ReduceType.PROD else F32(s + v)
+        out.append(F32(s / F32(len(vals))) if kind is ReduceType.MEAN else s)
     return np.array(out, F32)
 
 
 @pytest.mark.parametrize("shape,axes", [((1, 7, 7, 16), (1, 2)), ((2, 5, 6, 3), (0, 2)), ((3, 4, 5, 6), (1, 3)),
                                         ((2, 1, 9, 4), (1, 2)), ((6, 40), (0,)), ((6, 40), (1,)), ((4, 3, 5), ()),
                                         ((2, 3, 4, 5), (0, 2)), ((1, 1, 300), (2,))])
-@pytest.mark.parametrize("kind", [K.ReduceKind.SUM, K.ReduceKind.MEAN, K.ReduceKind.PROD])
+@pytest.mark.parametrize("kind", [ReduceType.SUM, ReduceType.MEAN, ReduceType.PROD])
 def test_reduce_follows_mace_loop_order(shape, axes, kind):
-    x = randn(*shape, s=3.0) if kind is not K.ReduceKind.PROD else (1 + randn(*shape, s=0.1))
+    x = randn(*shape, s=3.0) if kind is not ReduceType.PROD else (1 + randn(*shape, s=0.1))
     got = K.reduce_neon(x, kind, axes, keepdims=False)
     assert bits_differ(got.ravel(), _reduce_loops(x, kind, axes)) == 0
     assert K.reduce_neon(x, kind, axes, keepdims=True).ndim == x.ndim

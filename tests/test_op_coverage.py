@@ -12,12 +12,12 @@ import pytest
 from onnx import helper, numpy_helper
 from PIL import Image
 
+from maceq.app.pipeline import quantize
 from maceq.calibrate.methods import RangeMethod
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import Preprocess
 from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
-from maceq.app.pipeline import quantize
 from maceq.runtime import load
 
 
@@ -120,8 +120,9 @@ def test_bilinear_resize_is_uint8_nearest_falls_back(tmp_path, images):
     assert rb.arg("T") == 2 and rb.arg("size") == [32, 32] and rb.arg("coordinate_transformation_mode") == 1
     x = next(ImageFolder(images, PRE, labels=None).iter_batches(1)).data
     run = model.run({"x": x}, intermediates=True)
-    from maceq.runtime.kernels.resize import MaceCoordMode, resize_bilinear_mace
-    want = resize_bilinear_mace(run.tensors["c1"].values, out_hw=(32, 32), coordinate_mode=MaceCoordMode.HALF_PIXEL)
+    from maceq.mace.enums import ResizeCoordinateMode
+    from maceq.runtime.kernels.resize import resize_bilinear_mace
+    want = resize_bilinear_mace(run.tensors["c1"].values, out_hw=(32, 32), coordinate_mode=ResizeCoordinateMode.HALF_PIXEL)
     np.testing.assert_array_equal(run.tensors["up"].values, want)
     f = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
     y = run.outputs["y"]

@@ -36,6 +36,7 @@ from enum import Enum
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.mace.enums import EltwiseType, ReduceType, ResizeCoordinateMode
 from maceq.runtime.kernels import jit as k_jit
 from maceq.runtime.kernels.cfloat import expf, fma32, fmaf, fmaf_exact, hadd4, hsum4_seq, logf, tanhf
 
@@ -56,33 +57,6 @@ class ActKind(Enum):
     LEAKYRELU = "LEAKYRELU"
     ELU = "ELU"
     HARDSIGMOID = "HARDSIGMOID"
-
-
-class EltKind(Enum):
-    """MACE ``EltwiseType`` (mace/ops/common/eltwise_type.h; base_converter.py)."""
-
-    SUM = 0
-    SUB = 1
-    PROD = 2
-    DIV = 3
-    MIN = 4
-    MAX = 5
-    NEG = 6
-    ABS = 7
-    SQR_DIFF = 8
-    POW = 9
-    FLOOR_DIV = 11
-    CLIP = 12
-
-
-class ReduceKind(Enum):
-    """MACE ``ReduceType`` (mace/ops/common/reduce_type.h)."""
-
-    MEAN = 0
-    MIN = 1
-    MAX = 2
-    PROD = 3
-    SUM = 4
 
 
 def f32(x) -> np.ndarray:
@@ -156,7 +130,7 @@ def _activation_libm(x: np.ndarray, kind: ActKind, coefficient: float) -> np.nda
 # Eltwise (mace/ops/eltwise.cc, float EltwiseOp)
 # ------------------------------------------------------------------------------------------
 
-def eltwise(a: np.ndarray, b: np.ndarray | None, kind: EltKind, *, coeff=(), swapped: bool = False) -> np.ndarray:
+def eltwise(a: np.ndarray, b: np.ndarray | None, kind: EltwiseType, *, coeff=(), swapped: bool = False) -> np.ndarray:
     """``a (op) b`` with numpy broadcasting of the two arrays as given (MACE's tail broadcast).
 
     ``swapped`` computes ``b (op) a`` for the non-commutative types (MACE's
@@ -164,10 +138,10 @@ def eltwise(a: np.ndarray, b: np.ndarray | None, kind: EltKind, *, coeff=(), swa
     ``fmax(coeff[0], fmin(coeff[1], a))``; NEG/ABS use ``a`` only. One float32 op per step.
     """
     a = f32(a)
-    if kind in (EltKind.NEG, EltKind.ABS, EltKind.CLIP):
-        if kind is EltKind.NEG:
+    if kind in (EltwiseType.NEG, EltwiseType.ABS, EltwiseType.CLIP):
+        if kind is EltwiseType.NEG:
             return -a
-        if kind is EltKind.ABS:
+        if kind is EltwiseType.ABS:
             return np.abs(a)
         if len(coeff) != 2 or not coeff[0] < coeff[1]:
             raise MaceqError(f"Eltwise CLIP: coeff {list(coeff)} must be [min, max] with min < max")
@@ -175,26 +149,26 @@ def eltwise(a: np.ndarray, b: np.ndarray | None, kind: EltKind, *, coeff=(), swa
     b = f32(b)
     x, y = (b, a) if swapped else (a, b)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        if kind is EltKind.SUM:
+        if kind is EltwiseType.SUM:
             if len(coeff) == 2:
                 return a * F32(coeff[0]) + b * F32(coeff[1])
             return x + y
-        if kind is EltKind.SUB:
+        if kind is EltwiseType.SUB:
             return x - y
-        if kind is EltKind.PROD:
+        if kind is EltwiseType.PROD:
             return x * y
-        if kind is EltKind.DIV:
+        if kind is EltwiseType.DIV:
             return x / y
-        if kind is EltKind.FLOOR_DIV:
+        if kind is EltwiseType.FLOOR_DIV:
             return np.floor(x / y)
-        if kind is EltKind.MIN:
+        if kind is EltwiseType.MIN:
             return np.minimum(x, y)
-        if kind is EltKind.MAX:
+        if kind is EltwiseType.MAX:
             return np.maximum(x, y)
-        if kind is EltKind.SQR_DIFF:
+        if kind is EltwiseType.SQR_DIFF:
             d = x - y
             return d * d
-        if kind is EltKind.POW:
+        if kind is EltwiseType.POW:
             return np.power(x, y)
     raise MaceqError(f"Eltwise type {kind} is not implemented")
 
@@ -377,15 +351,15 @@ def softmax(x: np.ndarray, axis: int, *, use_log: bool = False) -> np.ndarray:
     return np.log(out) if use_log else out
 
 
-def reduce(x: np.ndarray, kind: ReduceKind, axes, *, keepdims: bool) -> np.ndarray:
+def reduce(x: np.ndarray, kind: ReduceType, axes, *, keepdims: bool) -> np.ndarray:
     """Reduce over ``axes`` (all when empty). MEAN is the float32 sum divided by the count."""
     x = f32(x)
     axes = tuple(range(x.ndim)) if not axes else tuple(int(a) % x.ndim for a in axes)
-    if kind is ReduceKind.MEAN:
+    if kind is ReduceType.MEAN:
         count = F32(np.prod([x.shape[a] for a in axes]))
         return (x.sum(axis=axes, keepdims=keepdims, dtype=F32) / count).astype(F32)
-    fn = {ReduceKind.MIN: np.min, ReduceKind.MAX: np.max, ReduceKind.PROD: np.prod,
-          ReduceKind.SUM: np.sum}[kind]
+    fn = {ReduceType.MIN: np.min, ReduceType.MAX: np.max, ReduceType.PROD: np.prod,
+          ReduceType.SUM: np.sum}[kind]
     return fn(x, axis=axes, keepdims=keepdims).astype(F32)
 
 
@@ -425,14 +399,6 @@ def fully_connected(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np
 # Resize (mace/ops/resize_bilinear.cc, resize_nearest_neighbor.cc), NCHW
 # ------------------------------------------------------------------------------------------
 
-class CoordMode(Enum):
-    """MACE ``CoordinateTransformationMode`` (mace/ops/common/coordinate_transformation_mode.h)."""
-
-    NONE = 0
-    HALF_PIXEL = 1
-    PYTORCH_HALF_PIXEL = 2
-
-
 def resize_scale(in_size: int, out_size: int, align_corners: bool) -> float:
     """CalculateResizeScale (mace/ops/common/utils.cc): (in-1)/(out-1) with align_corners and out > 1, else in/out."""
     if align_corners and out_size > 1:
@@ -440,7 +406,7 @@ def resize_scale(in_size: int, out_size: int, align_corners: bool) -> float:
     return float(F32(in_size) / F32(out_size))
 
 
-def bilinear_weights(in_size: int, out_size: int, *, align_corners: bool, mode: CoordMode):
+def bilinear_weights(in_size: int, out_size: int, *, align_corners: bool, mode: ResizeCoordinateMode):
     """(lower, upper, lerp) per output index, float32.
 
     Asymmetric / align_corners (``ComputeInterpolationWeights``): ``in = i * scale``,
@@ -451,8 +417,8 @@ def bilinear_weights(in_size: int, out_size: int, *, align_corners: bool, mode: 
     """
     scale = F32(resize_scale(in_size, out_size, align_corners))
     i = np.arange(out_size, dtype=F32)
-    half = mode is CoordMode.HALF_PIXEL or (mode is CoordMode.PYTORCH_HALF_PIXEL and out_size > 1)
-    if mode is CoordMode.PYTORCH_HALF_PIXEL and out_size == 1:
+    half = mode is ResizeCoordinateMode.HALF_PIXEL or (mode is ResizeCoordinateMode.PYTORCH_HALF_PIXEL and out_size > 1)
+    if mode is ResizeCoordinateMode.PYTORCH_HALF_PIXEL and out_size == 1:
         pos = np.zeros(1, F32)
         half = True
     elif half:
@@ -471,7 +437,7 @@ def bilinear_weights(in_size: int, out_size: int, *, align_corners: bool, mode: 
     return lower, upper, lerp
 
 
-def resize_bilinear(x: np.ndarray, out_hw, *, align_corners: bool, mode: CoordMode = CoordMode.NONE) -> np.ndarray:
+def resize_bilinear(x: np.ndarray, out_hw, *, align_corners: bool, mode: ResizeCoordinateMode = ResizeCoordinateMode.NONE) -> np.ndarray:
     """``top = tl + (tr - tl) * xl``; ``bottom = bl + (br - bl) * xl``; ``top + (bottom - top) * yl`` (float32)."""
     x = f32(x)
     n, c, h, w = x.shape
@@ -1017,7 +983,7 @@ def mace_reduce_groups(shape, axes) -> tuple[list[int], bool]:
     return groups, first
 
 
-def reduce_neon(x: np.ndarray, kind: ReduceKind, axes, *, keepdims: bool) -> np.ndarray:
+def reduce_neon(x: np.ndarray, kind: ReduceType, axes, *, keepdims: bool) -> np.ndarray:
     """MACE's float Reduce (``ReduceOp<RT_CPU, float>``, ``Reduce1Dims`` .. ``Reduce4Dims``), bit for bit.
 
     The dims merge into at most 4 alternating reduced/kept groups (:func:`mace_reduce_groups`).
@@ -1029,7 +995,7 @@ def reduce_neon(x: np.ndarray, kind: ReduceKind, axes, *, keepdims: bool) -> np.
     x = f32(x)
     axes = tuple(range(x.ndim)) if not axes else tuple(sorted({int(a) % x.ndim for a in axes}))
     want = np.sum(np.zeros(x.shape, F32), axis=axes, keepdims=keepdims).shape
-    if kind in (ReduceKind.MIN, ReduceKind.MAX):
+    if kind in (ReduceType.MIN, ReduceType.MAX):
         return reduce(x, kind, axes, keepdims=keepdims)
     groups, first = mace_reduce_groups(x.shape, axes)
     if len(groups) > 4:
@@ -1042,12 +1008,12 @@ def reduce_neon(x: np.ndarray, kind: ReduceKind, axes, *, keepdims: bool) -> np.
         red = red[::-1]  # Reduce3Dims / Reduce4Dims: the later reduced group is the outer loop
     count = int(np.prod([groups[k] for k in red])) if red else 1
     flat = g.transpose(red + kept).reshape((count, -1))
-    if kind is ReduceKind.PROD:
+    if kind is ReduceType.PROD:
         padded = np.concatenate([np.ones((1, flat.shape[1]), F32), flat], axis=0)
         out = np.multiply.accumulate(padded, axis=0, dtype=F32)[-1]
     else:
         out = _seq_sum(flat, 0)
-        if kind is ReduceKind.MEAN:
+        if kind is ReduceType.MEAN:
             out = out / F32(count)
     return out.reshape(want).astype(F32, copy=False)
 

@@ -67,10 +67,11 @@ from fractions import Fraction
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.mace.enums import ResizeCoordinateMode
 from maceq.runtime.fixedpoint import round_half_away
 
 __all__ = [
-    "MaceCoordMode",
+    "ResizeCoordinateMode",
     "ResizeKind",
     "TfliteResizeFlags",
     "MaceResizeFlags",
@@ -88,14 +89,6 @@ __all__ = [
 ]
 
 _F32 = np.float32
-
-
-class MaceCoordMode(enum.IntEnum):
-    """MACE's ``coordinate_transformation_mode`` op arg (mace/ops/common/coordinate_transformation_mode.h)."""
-
-    NONE = 0
-    HALF_PIXEL = 1
-    PYTORCH_HALF_PIXEL = 2
 
 
 class ResizeKind(enum.Enum):
@@ -116,7 +109,7 @@ class MaceResizeFlags:
     """The args of :func:`resize_bilinear_mace`: ``scale_hw`` is MACE's ONNX scale arg, or None (use sizes)."""
 
     align_corners: bool
-    coordinate_mode: MaceCoordMode
+    coordinate_mode: ResizeCoordinateMode
     scale_hw: tuple[float, float] | None
 
 
@@ -316,12 +309,12 @@ def _mace_scale(in_size: int, out_size: int, scale_arg, align_corners: bool) -> 
     return resize_scale(in_size, out_size, align_corners=align_corners)
 
 
-def _mace_axis(out_size: int, in_size: int, scale: np.float32, mode: MaceCoordMode):
+def _mace_axis(out_size: int, in_size: int, scale: np.float32, mode: ResizeCoordinateMode):
     """MACE ComputeInterpolationWeights: (lower, upper, lerp) arrays."""
     i = np.arange(out_size, dtype=np.float32)
-    if mode is MaceCoordMode.HALF_PIXEL or (mode is MaceCoordMode.PYTORCH_HALF_PIXEL and out_size > 1):
+    if mode is ResizeCoordinateMode.HALF_PIXEL or (mode is ResizeCoordinateMode.PYTORCH_HALF_PIXEL and out_size > 1):
         v = (i + _F32(0.5)) * scale - _F32(0.5)
-    elif mode is MaceCoordMode.PYTORCH_HALF_PIXEL:
+    elif mode is ResizeCoordinateMode.PYTORCH_HALF_PIXEL:
         v = np.zeros(out_size, np.float32)
     else:
         v = i * scale
@@ -335,7 +328,7 @@ def _mace_axis(out_size: int, in_size: int, scale: np.float32, mode: MaceCoordMo
 
 def _mace_setup(x, out_hw, scale_hw, align_corners, coordinate_mode):
     x = _check_x(x, "resize_bilinear_mace")
-    mode = MaceCoordMode(coordinate_mode)
+    mode = ResizeCoordinateMode(coordinate_mode)
     oh, ow = mace_resize_out_hw(x.shape[1:3], out_hw=out_hw, scale_hw=scale_hw)
     sh, sw = (None, None) if scale_hw is None else scale_hw
     hs = _mace_scale(x.shape[1], oh, sh, align_corners)
@@ -349,7 +342,7 @@ def _mace_saturate_roundf(v: np.ndarray) -> np.ndarray:
 
 
 def resize_bilinear_mace_ref(x, *, out_hw=None, scale_hw=None, align_corners: bool = False,
-                             coordinate_mode: MaceCoordMode = MaceCoordMode.NONE) -> np.ndarray:
+                             coordinate_mode: ResizeCoordinateMode = ResizeCoordinateMode.NONE) -> np.ndarray:
     """Contract: MACE ResizeBilinearOp<CPU, uint8_t> (ResizeImageNHWC + ComputeLerp<uint8_t>), pixel by pixel.
 
     ``scale_hw``: MACE's ``height_scale`` / ``width_scale`` args (ONNX scales; they take
@@ -377,7 +370,7 @@ def resize_bilinear_mace_ref(x, *, out_hw=None, scale_hw=None, align_corners: bo
 
 
 def resize_bilinear_mace(x, *, out_hw=None, scale_hw=None, align_corners: bool = False,
-                         coordinate_mode: MaceCoordMode = MaceCoordMode.NONE) -> np.ndarray:
+                         coordinate_mode: ResizeCoordinateMode = ResizeCoordinateMode.NONE) -> np.ndarray:
     """Contract: equal to :func:`resize_bilinear_mace_ref` bit for bit; whole-tensor float32 broadcasting."""
     x, mode, oh, ow, hs, ws = _mace_setup(x, out_hw, scale_hw, align_corners, coordinate_mode)
     _, h, w, _ = x.shape
@@ -399,8 +392,8 @@ def resize_bilinear_mace(x, *, out_hw=None, scale_hw=None, align_corners: bool =
 # ----------------------------------------------------------------------------- ONNX mapping
 
 _ONNX_MODES = {"nearest": ResizeKind.NEAREST, "linear": ResizeKind.BILINEAR, "bilinear": ResizeKind.BILINEAR}
-_ONNX_MACE_MODES = {"asymmetric": MaceCoordMode.NONE, "align_corners": MaceCoordMode.NONE,
-                    "half_pixel": MaceCoordMode.HALF_PIXEL, "pytorch_half_pixel": MaceCoordMode.PYTORCH_HALF_PIXEL}
+_ONNX_MACE_MODES = {"asymmetric": ResizeCoordinateMode.NONE, "align_corners": ResizeCoordinateMode.NONE,
+                    "half_pixel": ResizeCoordinateMode.HALF_PIXEL, "pytorch_half_pixel": ResizeCoordinateMode.PYTORCH_HALF_PIXEL}
 
 
 def _onnx_coordinate(i: int, in_size: int, out_size: int, scale: Fraction, ctm: str) -> Fraction:

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from maceq.errors import MaceqError
+from maceq.mace.enums import ResizeCoordinateMode
 from maceq.runtime.kernels.resize import (
-    MaceCoordMode,
     ResizeKind,
     mace_resize_out_hw,
     onnx_resize_mapping,
@@ -195,7 +195,7 @@ def test_resize_bilinear_mace_matches_scalar_transcription():
     bad = total = refused = 0
     for i in range(150):
         in_hw, out_hw = _sizes(rng)
-        mode = MaceCoordMode(i % 3)
+        mode = ResizeCoordinateMode(i % 3)
         ac = bool(i % 7 == 3)
         scale_hw = None
         if i % 5 == 4:  # MACE's ONNX path: scale args, 1 / scale inside
@@ -211,7 +211,7 @@ def test_resize_bilinear_mace_matches_scalar_transcription():
         except MaceqError as e:
             # align_corners with a half-pixel mode can put the source coordinate past the input:
             # MACE then reads out of bounds; the kernel refuses, and the transcription indexes out of range
-            assert "out of bounds" in str(e) and ac and mode is not MaceCoordMode.NONE
+            assert "out of bounds" in str(e) and ac and mode is not ResizeCoordinateMode.NONE
             with pytest.raises(IndexError):
                 _mace_scalar(x, out_hw=out_hw, scale_hw=scale_hw, align_corners=ac, mode=int(mode))
             refused += 1
@@ -237,7 +237,7 @@ def test_mace_and_tflite_bilinear_differ_in_rounding():
     """Same coordinates (asymmetric and half-pixel, sizes given), different arithmetic: measured, not equal."""
     rng = np.random.default_rng(903)
     diff = total = 0
-    for mode, hp in ((MaceCoordMode.NONE, False), (MaceCoordMode.HALF_PIXEL, True)):
+    for mode, hp in ((ResizeCoordinateMode.NONE, False), (ResizeCoordinateMode.HALF_PIXEL, True)):
         for in_hw, out_hw in (((7, 9), (19, 23)), ((16, 16), (5, 7)), ((3, 5), (12, 20))):
             x = rng.integers(0, 256, (2, *in_hw, 8), dtype=np.uint8)
             m = resize_bilinear_mace(x, out_hw=out_hw, coordinate_mode=mode)
