@@ -632,7 +632,8 @@ def place_nodes(g: Graph, *, device: Device, strict: bool = False, shapes=None, 
             placement[node.name] = UINT8
             continue
         if node.op_type not in FLOAT_EMITTABLE:
-            raise MaceqError(f"node '{node.name}': unsupported op type '{node.op_type}' for the {where} device")
+            raise MaceqError(f"node '{node.name}': unsupported op type '{node.op_type}' for the {where} device (MACE has "
+                             f"no kernel for it, uint8 or float, and maceq knows no exact rewrite into MACE ops)")
         if node.name in fp32:
             placement[node.name] = FLOAT
             continue

@@ -204,3 +204,28 @@ def _reshape(em: Emitter, src: str, dst: str, dims: list[int], shape: list[int])
     """A MACE Reshape of ``src`` to ``dims`` (0 copies the input's dim)."""
     op = em.add_op("Reshape", [src, em.add_const("shape", np.array(dims), DataType.DT_INT32)], [dst], [shape])
     add_arg(op, "dim", dims)
+
+
+def unary(em: Emitter):
+    """Neg, Abs: MACE's Eltwise NEG / ABS on the one input (a sign change: exact)."""
+    kind = {"Neg": EltwiseType.NEG, "Abs": EltwiseType.ABS}[em.n.op_type]
+    shp = stored_shape(em.oshape())
+    dst, trailing = em.result(fusable=False)
+    op = em.add_op("Eltwise", [em.src(0)], [dst], [shp])
+    add_arg(op, "type", kind)
+    em.finish(dst, trailing, shp)
+
+
+def power(em: Emitter):
+    """Pow by the constant 2 as x * x (Eltwise PROD of the input with itself: ``powf(x, 2)`` is x*x
+    rounded once, so the rewrite is exact). Other exponents would run MACE's POW, libm's ``powf``,
+    whose last bit onnxruntime does not share: refused."""
+    e = em.const(1, "exponent").ravel() if em.is_const(1) else None
+    if e is None or e.size != 1 or float(e[0]) != 2.0:
+        raise em.err("only a constant exponent 2 has an exact MACE form (x * x); MACE's POW is libm powf, "
+                     "which rounds differently from onnxruntime")
+    shp = stored_shape(em.oshape())
+    dst, trailing = em.result(fusable=False)
+    op = em.add_op("Eltwise", [em.src(0), em.src(0)], [dst], [shp])
+    add_arg(op, "type", EltwiseType.PROD)
+    em.finish(dst, trailing, shp)

@@ -351,6 +351,24 @@ def test_prelu():
     assert op_types(ems) == ["Reshape", "Activation", "Reshape"]
 
 
+@pytest.mark.parametrize("op", ["Neg", "Abs"])
+def test_neg_and_abs_are_exact(op):
+    x = randn(*X4, s=3.0)
+    ems = check(f"{op}/4d", node(op, ["x"]), {"x": x})
+    assert op_types(ems) == ["Eltwise"]
+    err, _ = run_case(node(op, ["x"]), {"x": x})
+    assert err == 0.0  # a sign change rounds nothing
+
+
+def test_pow_by_two_is_x_times_x_and_other_exponents_are_refused():
+    x = randn(*X4, s=3.0)
+    ems = check("Pow/square", node("Pow", ["x", "e"]), {"x": x}, {"e": np.array(2.0, np.float32)})
+    assert op_types(ems) == ["Eltwise"] and run_case(node("Pow", ["x", "e"]), {"x": x},
+                                                      {"e": np.array(2.0, np.float32)})[0] == 0.0
+    with pytest.raises(MaceqError, match=r"only a constant exponent 2 has an exact MACE form"):
+        run_case(node("Pow", ["x", "e"]), {"x": x}, {"e": np.array(0.5, np.float32)})
+
+
 def test_batchnorm():
     c = 3
     inits = {"g": randn(c), "b": randn(c), "m": randn(c), "v": (np.abs(randn(c)) + 0.1).astype(np.float32)}
