@@ -28,7 +28,8 @@ def _modules() -> dict[str, Path]:
     out = {}
     for p in sorted(ROOT.rglob("*.py")):
         rel = p.relative_to(ROOT)
-        if rel.parts[0] in ("tests", "bench", "tools", "build") or rel.parts[0].endswith(".egg-info"):
+        if (rel.parts[0] in ("tests", "bench", "tools", "build") or rel.parts[0].endswith(".egg-info")
+                or any(part.startswith(".") for part in rel.parts)):  # .ci, a .venv inside the checkout
             continue
         parts = list(rel.with_suffix("").parts)
         if parts[-1] == "__init__":
