@@ -40,6 +40,7 @@ import io
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -539,6 +540,12 @@ def write_report(report: Mapping, output_dir: str | os.PathLike, *, stem: str = 
     return ReportFiles(j, h)
 
 
+def _phase(progress: bool, text: str) -> None:
+    """One line on stderr as a long report phase starts (the bars within show only on a terminal)."""
+    if progress:
+        print(f"report {text}", file=sys.stderr, flush=True)
+
+
 def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: str | os.PathLike,
                 float_model=None, analysis_images: int | None = 32, mixed: Mapping[str, Any] | None = None,
                 recovery: Iterable[Mapping] = (), budget=None, evals: Mapping[str, Any] | None = None,
@@ -578,9 +585,11 @@ def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: st
     evals = dict(evals or {})
     sub = evenly_spaced(images, analysis_images)
     layers = {}
-    for d, m in models.items():
+    for k, (d, m) in enumerate(models.items(), 1):
         if d not in evals:
+            _phase(progress, f"[{k}/{len(models)}] {d}: evaluating on {len(images)} images")
             evals[d] = evaluate(m, source, images, device=d, batch_size=batch_size, progress=progress)
+        _phase(progress, f"[{k}/{len(models)}] {d}: per-layer analysis on {len(sub.files)} images")
         layers[d] = analyze_layers(m, float_model, sub, device=d, progress=progress)
     report = build_report(models, float_model=float_model, evals=evals, layers=layers, images=images,
                           mixed=mixed, recovery=recovery, budget=budget, analysis_images=len(sub.files))
