@@ -81,3 +81,52 @@ def test_quantize_without_a_preset_says_what_it_took_from_the_model(tmp_path, ca
                         "-o", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert rc == 0 and "preprocessing from the model's input Nx1x28x28: grayscale, resize to 28x28 (no --preset given)" in out
+
+
+def _hostile(tmp_path):
+    """Files a user might hand the CLIs by mistake, or on purpose."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    (tmp_path / "garbage.onnx").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    (tmp_path / "garbage.yml").write_text("models: [1, 2\n")
+    (tmp_path / "list.yml").write_text("- a\n- b\n")
+    (tmp_path / "garbage.pb").write_bytes(b"\x08\x96\x01" * 50)
+    (tmp_path / "report.json").write_text("{not json")
+    (tmp_path / "noimgs").mkdir()
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.jpg").write_text("not an image")
+    w = numpy_helper.from_array(np.ones((2, 3, 1, 1), np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="c"), helper.make_node("Erf", ["c"], ["y"], name="erf")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+                          [helper.make_empty_tensor_value_info("y")], [w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "erf.onnx")
+    return tmp_path
+
+
+HOSTILE = [
+    ("quantize", ["{t}/garbage.onnx", "--calib-dir", "{t}/txt"], "not a readable ONNX model"),
+    ("quantize", ["{t}/empty.onnx", "--calib-dir", "{t}/txt"], "empty.onnx"),
+    ("quantize", ["{t}", "--calib-dir", "{t}/txt"], "is a folder"),
+    ("quantize", ["{t}/erf.onnx", "--calib-dir", "{t}/txt"], "unsupported op type 'Erf'"),
+    ("quantize", ["{t}/erf.onnx", "--calib-dir", "{t}/noimgs", "--fp32", "nothing*"], "matches no node"),
+    ("maceq", ["run", "{t}/garbage.yml", "--input", "{t}/txt/a.jpg"], "garbage.yml"),
+    ("maceq", ["run", "{t}/list.yml", "--input", "{t}/txt/a.jpg"], "list.yml"),
+    ("maceq", ["inspect", "{t}/garbage.pb"], "garbage"),
+    ("maceq", ["eval", "{t}/garbage.yml", "--images", "{t}/noimgs"], "garbage.yml"),
+    ("maceq", ["check", "{t}/report.json", "--budget", "{t}/garbage.yml"], "report.json"),
+    ("maceq", ["report", "{t}/garbage.pb", "--images", "{t}/noimgs"], "garbage"),
+]
+
+
+@pytest.mark.parametrize("tool,argv,needle", HOSTILE, ids=[f"{t}-{a[0].split('/')[-1]}-{i}" for i, (t, a, _) in
+                                                           enumerate(HOSTILE)])
+def test_hostile_inputs_get_one_line_and_no_traceback(tool, argv, needle, tmp_path, capsys):
+    t = _hostile(tmp_path)
+    main = quantize_main if tool == "quantize" else maceq_main
+    rc = main([a.format(t=t) for a in argv] + (["-o", str(t / "out")] if tool == "quantize" else []))
+    err = _one_line_error(capsys)
+    assert rc == 2 and needle in err and "Traceback" not in err
+    assert not (t / "out").exists()
