@@ -21,7 +21,7 @@ import numpy as np
 from maceq.app.mixed import auto_mixed_precision, holdout_split
 from maceq.app.pipeline import calibrate, correct_bias, quantize
 from maceq.calibrate.methods import RangeMethod
-from maceq.calibrate.parallel import Executor
+from maceq.calibrate.parallel import Executor, check_workers
 from maceq.calibrate.runner import load_onnx
 from maceq.datasets.images import ImageFolder, load_image
 from maceq.datasets.preprocess import PRESETS, Preprocess, preprocess_from_args
@@ -220,6 +220,22 @@ def _add_recovery_args(p: argparse.ArgumentParser) -> None:
                    help="empirical bias correction per device, on calibration images")
     r.add_argument("--bias-correction-images", type=int, metavar="N",
                    help="calibration images the bias correction measures on (default 32)")
+
+
+def _add_eval_workers(p: argparse.ArgumentParser) -> None:
+    """--workers/--executor/--ray-address of ``maceq eval`` and ``maceq report``."""
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="evaluate on N shards of whole batches at once (local processes or Ray tasks); the "
+                        "numbers do not depend on N (default 1: in this process)")
+    p.add_argument("--executor", choices=["local", "ray"], default="local", help="where the shards run")
+    p.add_argument("--ray-address", metavar="ADDR", help="Ray cluster for --executor ray")
+
+
+def _eval_workers(args) -> dict:
+    """The evaluation's parallel options, checked before any work."""
+    if args.ray_address is not None and args.executor != "ray":
+        raise MaceqError("--ray-address needs --executor ray")
+    return {"workers": check_workers(args.workers), "executor": args.executor, "ray_address": args.ray_address}
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -499,7 +515,8 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-
+    """Float vs int8 on an image folder: print the metrics (and write them as JSON)."""
+    parallel = _eval_workers(args)
     model = load(args.qmodel)
     meta = model.maceq_meta
     pre = _preprocess_from(args, meta.get("preprocess"))
@@ -513,7 +530,7 @@ def _cmd_eval(args) -> int:
                                        progress=not args.quiet)
     else:
         data = ImageFolder(args.images, pre, labels=args.labels or "auto", classes=meta.get("classes"))
-        result = evaluate(model, float_model, data, device=args.device, progress=not args.quiet)
+        result = evaluate(model, float_model, data, device=args.device, progress=not args.quiet, **parallel)
     for line in result.lines():
         print(line)
     if args.json:
@@ -562,14 +579,16 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_report(args) -> int:
-
+    """Measure the quantized model(s) and write report.html and report.json."""
+    parallel = _eval_workers(args)
     models = [load(p) for p in args.qmodel]
     meta = models[0].maceq_meta
     data = ImageFolder(args.images, _preprocess_from(args, meta.get("preprocess")), labels=args.labels or "auto",
                        classes=meta.get("classes"))
     out = Path(args.output) if args.output else Path(args.qmodel[0]).resolve().parent
     _, files = make_report(models, data, output_dir=out, float_model=args.float_model,
-                           analysis_images=args.analysis_images, budget=args.budget, progress=not args.quiet)
+                           analysis_images=args.analysis_images, budget=args.budget, progress=not args.quiet,
+                           **parallel)
     print(f"wrote {files.html}\nwrote {files.json}")
     return 0
 
@@ -599,6 +618,7 @@ def _maceq(argv) -> int:
     e.add_argument("--threshold", type=float, default=0.3,
                    help="mask threshold for --task segmentation (default 0.3, PaddleOCR DB's)")
     e.add_argument("-q", "--quiet", action="store_true")
+    _add_eval_workers(e)
     _add_preprocess_args(e)
     ck = sub.add_parser("check", help="gate CI on a report.json and a budget (exit 0 within, 1 over, 2 bad input)")
     ck.add_argument("report", help="report.json")
@@ -613,6 +633,7 @@ def _maceq(argv) -> int:
     rp.add_argument("--analysis-images", type=int, default=32, help="images for the per-layer analysis (default 32)")
     rp.add_argument("--budget", help="budget YAML: adds a budget section")
     rp.add_argument("-q", "--quiet", action="store_true")
+    _add_eval_workers(rp)
     _add_preprocess_args(rp)
     i = sub.add_parser("inspect", help="print the quantized graph: ops, tensors, scales, sizes")
     i.add_argument("qmodel")

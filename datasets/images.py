@@ -24,6 +24,7 @@ stops the pass instead of being skipped like an unreadable file).
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -191,6 +192,14 @@ class ImageFolder:
     def __len__(self) -> int:
         """Number of candidate files (before any is found unreadable)."""
         return len(self.files)
+
+    def shard(self, start: int, stop: int) -> "ImageFolder":
+        """The files ``[start, stop)`` with their labels, as a folder of their own (for a worker)."""
+        part = copy.copy(self)
+        part.files = self.files[start:stop]
+        part.labels = None if self.labels is None else self.labels[start:stop]
+        part.skipped, part.skipped_paths = 0, []
+        return part
 
     def iter_batches(self, batch_size: int) -> Iterator[Batch]:
         """Yield batches of up to ``batch_size`` readable images, in file order.

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from tqdm import tqdm
 
+from maceq.calibrate.parallel import TaskPool, check_workers, shard_ranges
 from maceq.calibrate.runner import BatchedSession, make_session
-from maceq.datasets.images import ImageFolder
+from maceq.datasets.images import ImageFolder, UnreadableImageWarning
 from maceq.errors import MaceqError
+from maceq.runtime.devices import Device
 from maceq.runtime.model import Model
 
 
@@ -132,35 +135,99 @@ def evaluate_segmentation(model: Model, float_model: str | os.PathLike, data: Im
                          1.0 if union_total == 0 else inter_total / union_total, float(np.min(ious)))
 
 
-def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *, device: str = "cpu",
-             batch_size: int = 16, progress: bool = True) -> EvalResult:
+@dataclass
+class _Tally:
+    """Counts over images (additive: shards merge by summing them)."""
+
+    images: int = 0
+    agree: int = 0
+    top5: int = 0
+    f_correct: int = 0
+    q_correct: int = 0
+    skipped: int = 0
+    classes: int = 0
+
+    def add(self, other: "_Tally") -> None:
+        for name in ("images", "agree", "top5", "f_correct", "q_correct", "skipped"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.classes = max(self.classes, other.classes)
+
+
+def _tally(model: Model, float_model, data: ImageFolder, *, device, batch_size: int, report) -> _Tally:
+    """Top-1 agreement, top-5 containment and label hits of ``data``, image by image."""
     sess = make_session(float_model)
-    in_name = model.input_names[0]
-    out_name = model.output_names[0]
+    in_name, out_name = model.input_names[0], model.output_names[0]
     f_in = sess.get_inputs()[0].name
     runner = BatchedSession(sess, f_in)
-    f_out = [o.name for o in sess.get_outputs()].index(out_name) if out_name in [o.name for o in sess.get_outputs()] else 0
-    n = agree = top5 = f_correct = q_correct = 0
-    have_labels = data.labels is not None
-    bar = tqdm(total=len(data), desc=f"eval {device}", unit="img", disable=not progress or not sys.stderr.isatty(),
-                leave=False)
+    outs = [o.name for o in sess.get_outputs()]
+    f_out = outs.index(out_name) if out_name in outs else 0
+    t = _Tally()
     for batch in data.iter_batches(batch_size):
         f_logits = runner.run(None, {f_in: batch.data})[f_out].reshape(len(batch.data), -1)
+        t.classes = int(f_logits.shape[1])
         for k in range(len(batch.data)):
             q_logits = model.run({in_name: batch.data[k:k + 1]}, device=device)[out_name].reshape(-1)
             f_top = int(np.argmax(f_logits[k]))
             q_order = np.argsort(-q_logits, kind="stable")
-            agree += int(q_order[0] == f_top)
-            top5 += int(f_top in q_order[:5])
-            if have_labels:
-                f_correct += int(f_top == batch.labels[k])
-                q_correct += int(q_order[0] == batch.labels[k])
-            n += 1
-        bar.update(len(batch.data))
-    bar.close()
-    if n == 0:
+            t.agree += int(q_order[0] == f_top)
+            t.top5 += int(f_top in q_order[:5])
+            if batch.labels is not None:
+                t.f_correct += int(f_top == batch.labels[k])
+                t.q_correct += int(q_order[0] == batch.labels[k])
+            t.images += 1
+        if report is not None:
+            report(len(batch.data))
+    t.skipped = data.skipped
+    return t
+
+
+@dataclass(frozen=True)
+class _EvalJob:
+    """What each evaluation shard needs: the quantized model as read, the float model, the device."""
+
+    loaded: object
+    float_model: str
+    device: str
+    batch_size: int
+
+
+def _eval_shard(job: _EvalJob, shard: ImageFolder, report) -> _Tally:
+    """One shard of whole batches, in a worker process or Ray task."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnreadableImageWarning)
+        try:
+            return _tally(Model(job.loaded), job.float_model, shard, device=job.device, batch_size=job.batch_size,
+                          report=report)
+        except MaceqError:
+            if shard.skipped != len(shard.files):
+                raise
+            return _Tally(skipped=shard.skipped)  # no readable image in this shard
+
+
+def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *, device: str = "cpu",
+             batch_size: int = 16, progress: bool = True, workers: int = 1, executor: str = "local",
+             ray_address: str | None = None) -> EvalResult:
+    """Float vs int8 top-1 agreement (and accuracy with labels) on ``data``, image by image.
+
+    ``workers`` > 1 shards the images in whole batches over local processes or Ray tasks
+    (``executor``); the counts are summed, so the result does not depend on ``workers``."""
+    bar = tqdm(total=len(data), desc=f"eval {device}", unit="img", disable=not progress or not sys.stderr.isatty(),
+               leave=False)
+    with bar:
+        if check_workers(workers) == 1:
+            t = _tally(model, float_model, data, device=device, batch_size=batch_size, report=bar.update)
+        else:
+            t = _Tally()
+            shards = [data.shard(a, b) for a, b in shard_ranges(len(data), batch_size=batch_size, shards=workers)]
+            job = _EvalJob(model.loaded, os.fspath(float_model), Device.parse(device).value, batch_size)
+            with TaskPool(job, executor=executor, workers=workers, ray_address=ray_address,
+                          progress_queue=True) as pool:
+                for part in pool.map(_eval_shard, shards, on_progress=bar.update):
+                    t.add(part)
+    if t.images == 0:
         raise MaceqError(f"{data.root}: no readable image to evaluate")
-    return EvalResult(device, n, data.skipped, agree / n, top5 / n,
-                      f_correct / n if have_labels else None, q_correct / n if have_labels else None,
+    labels = data.labels is not None
+    return EvalResult(device, t.images, t.skipped, t.agree / t.images, t.top5 / t.images,
+                      t.f_correct / t.images if labels else None, t.q_correct / t.images if labels else None,
                       deviations=model.deviations(device),
-                      safe_forms=list(model.maceq_meta.get("safe_forms") or []), classes=int(f_logits.shape[1]))
+                      safe_forms=list(model.maceq_meta.get("safe_forms") or []), classes=t.classes)

@@ -549,8 +549,9 @@ def _phase(progress: bool, text: str) -> None:
 def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: str | os.PathLike,
                 float_model=None, analysis_images: int | None = 32, mixed: Mapping[str, Any] | None = None,
                 recovery: Iterable[Mapping] = (), budget=None, evals: Mapping[str, Any] | None = None,
-                progress: bool = True, batch_size: int = 16) -> tuple[dict, ReportFiles]:
-    """Measure and write a report (``maceq report`` and ``quantize --report``).
+                progress: bool = True, batch_size: int = 16, workers: int = 1, executor: str = "local",
+                ray_address: str | None = None) -> tuple[dict, ReportFiles]:
+    """Measure and write a report (``maceq report``, and ``quantize`` when it evaluates images).
 
     ``qmodels``: device -> a loaded Model, its ModelFiles (``QuantizeResult.per_device``) or a
     path to its .yml/.pb; or a list of those, each for the device its metadata names (default
@@ -559,6 +560,7 @@ def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: st
     (``QuantizeResult.graph``) or an ONNX path; default: the source model the quantizer recorded.
     ``analysis_images``: the layer analysis runs on this many evenly spaced images (None: all).
     ``evals``: EvalResults already measured (not run again). ``budget``: a Budget or a path.
+    ``workers``/``executor``/``ray_address``: the evaluation's shards (:func:`evaluate`).
     """
 
     def _load(m):
@@ -588,7 +590,8 @@ def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: st
     for k, (d, m) in enumerate(models.items(), 1):
         if d not in evals:
             _phase(progress, f"[{k}/{len(models)}] {d}: evaluating on {len(images)} images")
-            evals[d] = evaluate(m, source, images, device=d, batch_size=batch_size, progress=progress)
+            evals[d] = evaluate(m, source, images, device=d, batch_size=batch_size, progress=progress,
+                                workers=workers, executor=executor, ray_address=ray_address)
         _phase(progress, f"[{k}/{len(models)}] {d}: per-layer analysis on {len(sub.files)} images")
         layers[d] = analyze_layers(m, float_model, sub, device=d, progress=progress)
     report = build_report(models, float_model=float_model, evals=evals, layers=layers, images=images,

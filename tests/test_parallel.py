@@ -276,3 +276,27 @@ def test_mixed_precision_on_ray_equals_sequential(demo, ray_cluster, tmp_path):
     # local processes give the same search
     loc = run(tmp_path / "loc", min_sqnr=1000.0, max_fp32_layers=3, executor="local", workers=2)
     assert loc.to_dict() == seq.to_dict()
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_evaluation_sharded_over_workers_equals_one_process(demo, tmp_path, workers):
+    """Whole batches per shard, counts summed: every number, labels and an unreadable file included."""
+    from maceq.quant.export import write_quantized
+    from maceq.reports.evaluate import evaluate
+    from maceq.runtime import load
+
+    cal, _ = demo
+    model = load(write_quantized(cal, output_dir=tmp_path / "m").files.yml)
+    assets = Path(maceq.__file__).parent / "datasets" / "default"
+    data = ImageFolder(assets / "test", PRESETS["fmnist"], classes=FASHION_MNIST_CLASSES)
+    data.files, data.labels = data.files[::4], data.labels[::4]  # 25 images, every class
+    bad = tmp_path / "zz_bad.png"
+    bad.write_bytes(b"not an image")
+    data.files.append(bad)
+    data.labels = np.append(data.labels, data.labels[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnreadableImageWarning)
+        one = evaluate(model, assets / "fmnist_mobilenet.onnx", data, batch_size=4, progress=False)
+        many = evaluate(model, assets / "fmnist_mobilenet.onnx", data, batch_size=4, progress=False, workers=workers)
+    assert one.images == 25 and one.skipped == 1 and one.float_accuracy is not None
+    assert many.to_dict() == one.to_dict()
