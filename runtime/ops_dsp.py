@@ -155,6 +155,9 @@ class _DspConv(Kernel):
             y, mn, mx = K.supernode(x.values, K.ohwi_to_hwio(w.values), b, variant=p.variant, **kw)
         return [QTensor(y, qinfo_of_range(mn, mx))]
 
+    def deviation(self, params, in_shapes) -> str | None:
+        return padding_deviation(params, in_shapes[0])
+
 
 @register("Conv2D", device=DSP)
 class DspConv2D(_DspConv):
@@ -240,9 +243,6 @@ class DspConcat(Kernel):
         y, mn, mx = K.quantized_concat([t.values for t in inputs], axis=prepared.params.axis,
                                        in_ranges=[rng(t.qinfo) for t in inputs])
         return [QTensor(y, qinfo_of_range(mn, mx))]
-
-    def deviation(self, params, in_shapes) -> str | None:
-        return padding_deviation(params, in_shapes[0])
 
 
 @dataclass(frozen=True)

@@ -199,3 +199,18 @@ def test_prelu_per_channel_and_after_a_fully_connected_layer_on_every_device(tmp
     res = _check_all_devices(tmp_path, _save(tmp_path / "prelu.onnx", nodes, inits, size=8), 8, tol=0.05)
     ops = [op.type for op in load(res.per_device["gpu"].yml).ops]
     assert ops.count("Activation") == 2 and ops[-3:] == ["Reshape", "Activation", "Reshape"]
+
+
+def test_a_tf_same_strided_conv_gets_a_safe_form_on_dsp_and_a_concat_is_left_alone(tmp_path):
+    """Conv 3x3 stride 2 on 8x8 with pads (0, 0, 1, 1), TensorFlow's SAME: MACE's Hexagon converter would
+    run it SAME_CAFFE (one pad before the input). The concat of its output with another branch runs as is."""
+    rng = np.random.default_rng(9)
+    inits = {"w": rng.normal(0, .4, (4, 3, 3, 3)).astype(np.float32), "w2": rng.normal(0, .4, (4, 3, 1, 1)).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[0, 0, 1, 1], strides=[2, 2], name="tfsame"),
+             helper.make_node("Conv", ["x", "w2"], ["d"], strides=[2, 2], name="other"),
+             helper.make_node("Concat", ["c", "d"], ["y"], axis=1, name="cat")]
+    res = _check_all_devices(tmp_path, _save(tmp_path / "tf.onnx", nodes, inits, size=8), 8, tol=0.05)
+    (form,) = res.device_forms["dsp"]["safe_forms"]
+    assert form["op"] == "tfsame" and "SAME_CAFFE on input 8x8" in form["reason"]
+    assert res.device_forms["cpu"] == {} and res.device_forms["gpu"] == {}
+    assert load(res.per_device["dsp"].yml).deviations("dsp") == {}
