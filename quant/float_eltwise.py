@@ -217,15 +217,25 @@ def unary(em: Emitter):
 
 
 def power(em: Emitter):
-    """Pow by the constant 2 as x * x (Eltwise PROD of the input with itself: ``powf(x, 2)`` is x*x
-    rounded once, so the rewrite is exact). Other exponents would run MACE's POW, libm's ``powf``,
-    whose last bit onnxruntime does not share: refused."""
-    e = em.const(1, "exponent").ravel() if em.is_const(1) else None
-    if e is None or e.size != 1 or float(e[0]) != 2.0:
-        raise em.err("only a constant exponent 2 has an exact MACE form (x * x); MACE's POW is libm powf, "
-                     "which rounds differently from onnxruntime")
+    """Pow by a constant scalar; Sqrt and Reciprocal as Pow by 0.5 and -1, as MACE's converter writes
+    them (onnx_converter.py). Exponent 2 is x * x (``powf(x, 2)`` is x*x rounded once: exact); any
+    other runs MACE's Eltwise POW, libm's ``powf``, which is within an ulp of onnxruntime's result
+    but not always equal (docs/float-ops.md)."""
+    if em.n.op_type in ("Sqrt", "Reciprocal"):
+        e = 0.5 if em.n.op_type == "Sqrt" else -1.0
+    else:
+        c = em.const(1, "exponent").ravel() if em.is_const(1) else None
+        if c is None or c.size != 1:
+            raise em.err("only a constant scalar exponent has a MACE form (Eltwise POW)")
+        e = float(c[0])
     shp = stored_shape(em.oshape())
     dst, trailing = em.result(fusable=False)
-    op = em.add_op("Eltwise", [em.src(0), em.src(0)], [dst], [shp])
-    add_arg(op, "type", EltwiseType.PROD)
+    if e == 2.0:
+        op = em.add_op("Eltwise", [em.src(0), em.src(0)], [dst], [shp])
+        add_arg(op, "type", EltwiseType.PROD)
+    else:
+        op = em.add_op("Eltwise", [em.src(0)], [dst], [shp])
+        add_arg(op, "type", EltwiseType.POW)
+        add_arg(op, "scalar_input", e)
+        add_arg(op, "scalar_input_index", 1)
     em.finish(dst, trailing, shp)

@@ -47,6 +47,7 @@ EMITTERS = {
     "Add": float_eltwise.eltwise, "Sub": float_eltwise.eltwise, "Mul": float_eltwise.eltwise,
     "Div": float_eltwise.eltwise, "Max": float_eltwise.eltwise, "Min": float_eltwise.eltwise,
     "Neg": float_eltwise.unary, "Abs": float_eltwise.unary, "Pow": float_eltwise.power,
+    "Sqrt": float_eltwise.power, "Reciprocal": float_eltwise.power,
     "Relu": float_eltwise.relu, "Sigmoid": float_eltwise.sigmoid, "Tanh": float_eltwise.tanh,
     "LeakyRelu": float_eltwise.leaky_relu, "PRelu": float_eltwise.prelu, "Clip": float_eltwise.clip,
     "HardSigmoid": float_eltwise.hard_sigmoid, "HardSwish": float_eltwise.hard_swish,

@@ -360,13 +360,19 @@ def test_neg_and_abs_are_exact(op):
     assert err == 0.0  # a sign change rounds nothing
 
 
-def test_pow_by_two_is_x_times_x_and_other_exponents_are_refused():
+def test_pow_by_two_is_x_times_x_and_other_powers_are_maces_pow():
     x = randn(*X4, s=3.0)
     ems = check("Pow/square", node("Pow", ["x", "e"]), {"x": x}, {"e": np.array(2.0, np.float32)})
     assert op_types(ems) == ["Eltwise"] and run_case(node("Pow", ["x", "e"]), {"x": x},
                                                       {"e": np.array(2.0, np.float32)})[0] == 0.0
-    with pytest.raises(MaceqError, match=r"only a constant exponent 2 has an exact MACE form"):
-        run_case(node("Pow", ["x", "e"]), {"x": x}, {"e": np.array(0.5, np.float32)})
+    pos = np.abs(randn(*X4, s=3.0)) + np.float32(0.1)
+    for op, ins, inits in (("Sqrt", ["x"], {}), ("Reciprocal", ["x"], {}),
+                           ("Pow", ["x", "e"], {"e": np.array(1.5, np.float32)})):
+        ems = check(f"{op}/pow", node(op, ins), {"x": pos}, inits)  # within the float tolerance of onnxruntime
+        (el,) = ems[0].ops
+        assert el.type == "Eltwise" and [a.i for a in el.arg if a.name == "type"] == [9]  # POW
+    with pytest.raises(MaceqError, match=r"only a constant scalar exponent has a MACE form"):
+        run_case(node("Pow", ["x", "e"]), {"x": pos}, {"e": np.array([1.0, 2.0, 3.0], np.float32).reshape(3, 1, 1)})
 
 
 def test_batchnorm():
