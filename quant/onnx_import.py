@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import defs, helper, numpy_helper
+from onnx import defs, helper, numpy_helper, version_converter
 
 from maceq.errors import MaceqError, one_line
 from maceq.quant.ir import Graph, Node, ValueInfo
 
 MIN_OPSET, MAX_OPSET = 11, 21
+#: the opset an older model is converted to
+UPGRADE_OPSET = 13
 
 
 def _first_line(e: BaseException) -> str:
@@ -81,7 +83,7 @@ def _check_arity(n: onnx.NodeProto, name: str, opset: int, source: str) -> None:
 
 
 def import_onnx(model: onnx.ModelProto, *, source: str = "model") -> Graph:
-    """Convert an ONNX ModelProto to the IR; opset outside [11, 21] is an error.
+    """Convert an ONNX ModelProto to the IR; opset 7..10 is upgraded to 13 first, above 21 is an error.
 
     Nodes are checked against their ONNX schema's input/output counts (see ``_check_arity``).
     A MaceqError from here is one line (line breaks in names are escaped).
@@ -92,6 +94,16 @@ def import_onnx(model: onnx.ModelProto, *, source: str = "model") -> Graph:
         raise MaceqError(one_line(str(e))) from None
 
 
+def _upgrade(model: onnx.ModelProto, opset: int, source: str) -> tuple[onnx.ModelProto, int]:
+    """An older model (opset 7..10) brought to opset 13 by onnx's version converter (Upsample, the
+    attribute forms of Slice and friends become their current forms); MaceqError when it cannot."""
+    try:
+        return version_converter.convert_version(model, UPGRADE_OPSET), UPGRADE_OPSET
+    except Exception as e:  # noqa: BLE001 - the converter raises its own and C++ errors
+        raise MaceqError(f"{source}: opset {opset} is older than {MIN_OPSET} and onnx's version converter cannot "
+                         f"bring it to {UPGRADE_OPSET} ({one_line(str(e).strip()) or type(e).__name__})") from None
+
+
 def _import_onnx(model: onnx.ModelProto, source: str) -> Graph:
     opset = None
     for imp in model.opset_import:
@@ -99,6 +111,8 @@ def _import_onnx(model: onnx.ModelProto, source: str) -> Graph:
             opset = imp.version
     if opset is None:
         raise MaceqError(f"{source}: no default-domain opset import")
+    if opset < MIN_OPSET:
+        model, opset = _upgrade(model, opset, source)
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise MaceqError(f"{source}: opset {opset} is outside the supported range {MIN_OPSET}..{MAX_OPSET}")
     g = model.graph

@@ -65,3 +65,20 @@ def test_unknown_auto_pad_is_refused_naming_the_node():
     model.graph.node[0].attribute[0].s = b"SAME_MIDDLE"
     with pytest.raises(MaceqError, match=r"node 'n' \(MaxPool\): unknown auto_pad 'SAME_MIDDLE'"):
         optimize(import_onnx(model), {"x": [1, 2, 8, 8]})
+
+
+def test_an_opset_9_model_is_upgraded_to_13_and_computes_the_same():
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="c"),
+             helper.make_node("Upsample", ["c", "sc"], ["y"], mode="nearest", name="up")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 5, 5])],
+                          [helper.make_empty_tensor_value_info("y")],
+                          [nh.from_array(rng.normal(size=(2, 2, 3, 3)).astype(np.float32), "w"),
+                           nh.from_array(np.array([1, 1, 2, 2], np.float32), "sc")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 9)])
+    x = rng.normal(size=(1, 2, 5, 5)).astype(np.float32)
+    ir = import_onnx(model)
+    assert [n.op_type for n in ir.nodes] == ["Conv", "Resize"]
+    np.testing.assert_allclose(_run(optimize(ir, {"x": [1, 2, 5, 5]}).to_onnx(), x), _run(model, x), atol=1e-5)
