@@ -589,7 +589,22 @@ def uint8_capable(g: Graph, node: Node, shapes=None, *, uint8_resize: bool = Tru
         return False
     if node.op_type in ("Add", "Sub") and any(g.is_const(i) for i in node.inputs):
         return False
+    if node.op_type == "Conv":
+        return _conv_uint8_capable(g, node, shapes or {})
     return True
+
+
+def _conv_uint8_capable(g: Graph, node: Node, shapes: dict) -> bool:
+    """MACE's uint8 Conv2D has no groups and no dilation (its DepthwiseConv2d has dilation): such a
+    convolution runs on the float path, where MACE's float Conv2D and the group split handle it."""
+    if len(node.inputs) < 2 or not g.is_const(node.inputs[1]):
+        return True  # the writer names the problem
+    w, group = g.const(node.inputs[1]), int(node.attr("group", 1))
+    in_shape = shapes.get(node.inputs[0])
+    depthwise = group > 1 and w.ndim == 4 and w.shape[1] == 1 and in_shape is not None and group == in_shape[1]
+    if depthwise:
+        return True
+    return group == 1 and all(int(d) == 1 for d in node.attr("dilations", [1, 1]))
 
 
 def node_names(node: Node) -> list[str]:

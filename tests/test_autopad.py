@@ -82,3 +82,25 @@ def test_an_opset_9_model_is_upgraded_to_13_and_computes_the_same():
     ir = import_onnx(model)
     assert [n.op_type for n in ir.nodes] == ["Conv", "Resize"]
     np.testing.assert_allclose(_run(optimize(ir, {"x": [1, 2, 5, 5]}).to_onnx(), x), _run(model, x), atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+def test_ceil_mode_becomes_end_padding_that_computes_what_onnxruntime_computes(op):
+    rng = np.random.default_rng(4)
+    checked = 0
+    for size, k, s, p in itertools.product((5, 6, 7, 8), (2, 3), (2, 3), (0, 1)):
+        attrs = dict(kernel_shape=[k, k], strides=[s, s], pads=[p, p, p, p], ceil_mode=1)
+        if op == "AveragePool":
+            attrs["count_include_pad"] = 0
+        g = helper.make_graph([helper.make_node(op, ["x"], ["y"], name="n", **attrs)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, size, size])],
+                              [helper.make_empty_tensor_value_info("y")])
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+        x = rng.normal(size=(1, 2, size, size)).astype(np.float32)
+        opt = optimize(import_onnx(model), {"x": [1, 2, size, size]})
+        assert "ceil_mode" not in opt.nodes[0].attrs
+        got, want = _run(opt.to_onnx(), x), _run(model, x)
+        assert got.shape == want.shape, (size, k, s, p)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        checked += 1
+    assert checked == 32

@@ -214,3 +214,15 @@ def test_a_tf_same_strided_conv_gets_a_safe_form_on_dsp_and_a_concat_is_left_alo
     assert form["op"] == "tfsame" and "SAME_CAFFE on input 8x8" in form["reason"]
     assert res.device_forms["cpu"] == {} and res.device_forms["gpu"] == {}
     assert load(res.per_device["dsp"].yml).deviations("dsp") == {}
+
+
+def test_dilated_and_grouped_convolutions_run_on_the_float_path(tmp_path):
+    """MACE's uint8 Conv2D has neither dilation nor groups (U^2-Net's dilated blocks): float Conv2D runs them."""
+    rng = np.random.default_rng(10)
+    inits = {"w": rng.normal(0, .4, (4, 3, 3, 3)).astype(np.float32), "wd": rng.normal(0, .3, (4, 4, 3, 3)).astype(np.float32),
+             "wg": rng.normal(0, .3, (4, 2, 1, 1)).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="c"),
+             helper.make_node("Conv", ["c", "wd"], ["d"], pads=[2, 2, 2, 2], dilations=[2, 2], name="dilated"),
+             helper.make_node("Conv", ["d", "wg"], ["y"], group=2, name="grouped")]
+    res = _check_all_devices(tmp_path, _save(tmp_path / "dg.onnx", nodes, inits, size=8), 8, tol=0.05)
+    assert res.placement == {"c": "uint8", "dilated": "float32", "grouped": "float32"}

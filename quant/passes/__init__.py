@@ -22,7 +22,8 @@ def optimize(graph: Graph, input_shapes: dict[str, list[int]]) -> Graph:
     g = graph.copy()
     remove_identities(g)
     fold_constants(g, input_shapes)
-    if any(str(n.attr("auto_pad", "NOTSET") or "NOTSET") != "NOTSET" for n in g.nodes):
+    if any(str(n.attr("auto_pad", "NOTSET") or "NOTSET") != "NOTSET" or int(n.attr("ceil_mode", 0) or 0)
+           for n in g.nodes):
         explicit_pads(g, g.infer_shapes(input_shapes))
     fold_batchnorm(g)
     fold_pad(g)

@@ -1,6 +1,6 @@
-"""``auto_pad`` made explicit: once the input shape is fixed, every Conv, ConvTranspose, MaxPool and
-AveragePool carries its padding as ``pads`` (top, left, bottom, right), so the passes, the writer and
-the runtime read one form.
+"""``auto_pad`` and ``ceil_mode`` made explicit: once the input shape is fixed, every Conv,
+ConvTranspose, MaxPool and AveragePool carries its padding as ``pads`` (top, left, bottom, right),
+so the passes, the writer and the runtime read one form.
 
 ONNX's rule for Conv and the pools (operator text, onnxruntime): with SAME_UPPER / SAME_LOWER the
 output is ``ceil(in / stride)`` and ``total = max(0, (out - 1) * stride + (k - 1) * dilation + 1 - in)``;
@@ -53,31 +53,60 @@ def _transpose_pads(g: Graph, node: Node, in_hw, auto: str) -> list[int]:
     return [args.pads[0], args.pads[1], totals[0] - args.pads[0], totals[1] - args.pads[1]]
 
 
+def _ceil_pads(node: Node, in_hw, kernel) -> list[int]:
+    """``ceil_mode`` = 1 as more padding at the end: onnxruntime's output size ``ceil((in + pads - k) / s)
+    + 1``, less one where the last window would start past the input and the leading pad (pool_attributes.h).
+    The end pad is never read by a max (the pads are -inf) nor counted by an average that excludes pads."""
+    pads = [int(v) for v in node.attr("pads", [0, 0, 0, 0])]
+    strides = [int(v) for v in node.attr("strides", [1, 1])]
+    dilations = [int(v) for v in node.attr("dilations", [1, 1])]
+    out = list(pads)
+    for i, (size, k, s, d) in enumerate(zip(in_hw, kernel, strides, dilations)):
+        span = (k - 1) * d + 1
+        n_out = -(-(size + pads[i] + pads[i + 2] - span) // s) + 1
+        if (n_out - 1) * s >= size + pads[i]:
+            n_out -= 1
+        out[i + 2] += max(0, (n_out - 1) * s + span - (size + pads[i] + pads[i + 2]))
+    if out != pads and node.op_type == "AveragePool" and int(node.attr("count_include_pad", 0)):
+        raise MaceqError(f"node '{node.name}' (AveragePool): ceil_mode=1 with count_include_pad=1 is not supported")
+    return out
+
+
 def explicit_pads(g: Graph, shapes: dict) -> int:
-    """Rewrite ``auto_pad`` into ``pads`` on every 2-D Conv/ConvTranspose/MaxPool/AveragePool; returns
-    how many nodes changed. A node whose window or input shape is unknown raises MaceqError naming it."""
+    """Rewrite ``auto_pad`` and ``ceil_mode`` into ``pads`` on every 2-D Conv/ConvTranspose/MaxPool/
+    AveragePool; returns how many nodes changed. A node whose window or input shape is unknown
+    raises MaceqError naming it."""
     changed = 0
     for node in g.nodes:
         auto = str(node.attr("auto_pad", "NOTSET") or "NOTSET")
-        if node.op_type not in _OPS or auto == "NOTSET":
+        ceil = node.op_type in ("MaxPool", "AveragePool") and int(node.attr("ceil_mode", 0) or 0) == 1
+        if node.op_type not in _OPS or (auto == "NOTSET" and not ceil):
             continue
-        in_shape, kernel = shapes.get(node.inputs[0]), _kernel(g, node)
-        if auto not in ("VALID", "SAME_UPPER", "SAME_LOWER"):
+        if auto not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
             raise MaceqError(f"node '{node.name}' ({node.op_type}): unknown auto_pad '{auto}'")
+        in_shape, kernel = shapes.get(node.inputs[0]), _kernel(g, node)
         if in_shape is None or len(in_shape) != 4 or kernel is None:
-            raise MaceqError(f"node '{node.name}' ({node.op_type}): auto_pad={auto} needs a 2-D window and a "
+            what = f"auto_pad={auto}" if auto != "NOTSET" else "ceil_mode=1"
+            raise MaceqError(f"node '{node.name}' ({node.op_type}): {what} needs a 2-D window and a "
                              f"static input shape (fix it with --input-shape)")
-        if auto == "VALID":
-            pads = [0, 0, 0, 0]
-        elif node.op_type == "ConvTranspose":
-            if node.attr("output_shape") is not None:
-                continue  # output_shape decides the padding: left to the ConvTranspose writer
-            pads = _transpose_pads(g, node, in_shape[2:], auto)
-        else:
-            strides = [int(v) for v in node.attr("strides", [1, 1])]
-            dilations = [int(v) for v in node.attr("dilations", [1, 1])]
-            pads = _same_pads(in_shape[2:], kernel, strides, dilations, upper=auto == "SAME_UPPER")
+        pads = _pads_for(g, node, auto, in_shape[2:], kernel)
+        if pads is None:
+            continue
         node.attrs["pads"] = pads
         node.attrs.pop("auto_pad", None)
+        node.attrs.pop("ceil_mode", None)
         changed += 1
     return changed
+
+
+def _pads_for(g: Graph, node: Node, auto: str, in_hw, kernel) -> list[int] | None:
+    """The explicit pads of one node (None: a ConvTranspose whose ``output_shape`` decides them)."""
+    if auto == "NOTSET":
+        return _ceil_pads(node, in_hw, kernel)
+    if auto == "VALID":
+        return [0, 0, 0, 0] if not int(node.attr("ceil_mode", 0) or 0) else _ceil_pads(node, in_hw, kernel)
+    if node.op_type == "ConvTranspose":
+        return None if node.attr("output_shape") is not None else _transpose_pads(g, node, in_hw, auto)
+    strides = [int(v) for v in node.attr("strides", [1, 1])]
+    dilations = [int(v) for v in node.attr("dilations", [1, 1])]
+    return _same_pads(in_hw, kernel, strides, dilations, upper=auto == "SAME_UPPER")
