@@ -78,8 +78,10 @@ def test_bad_models_fail_clearly(tmp_path):
     dangling = _tiny([helper.make_node("Add", ["x", "nope"], ["y"], name="add0")], {})
     with pytest.raises(MaceqError, match="add0.*nope"):
         import_onnx(dangling)
-    with pytest.raises(MaceqError, match="opset 9"):
-        import_onnx(_tiny([helper.make_node("Relu", ["x"], ["y"])], {}, opset=9))
+    assert [n.op_type for n in import_onnx(_tiny([helper.make_node("Relu", ["x"], ["y"])], {}, opset=9)).nodes] == \
+        ["Relu"]  # upgraded to opset 13 first
+    with pytest.raises(MaceqError, match="opset 30 is outside the supported range 11..21"):
+        import_onnx(_tiny([helper.make_node("Relu", ["x"], ["y"])], {}, opset=30))
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
     with pytest.raises(MaceqError, match="bad.onnx"):
@@ -113,3 +115,25 @@ def test_constant_arithmetic_and_lone_batchnorm_become_depthwise_convs():
     assert [n.attrs.get("group", 1) for n in opt.nodes if n.op_type == "Conv"] == [1, 4, 4, 4]
     x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
     np.testing.assert_allclose(_run(opt.to_onnx(), x), _run(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_yolo_style_anchor_shapes_fold_once_the_input_shape_is_fixed():
+    """Shape of a Range (no batch in it) stays a number; the batch an Expand reads becomes the fixed one."""
+    i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+    nodes = [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Gather", ["sx", "i2"], ["h"], axis=0),
+             helper.make_node("Gather", ["sx", "i0"], ["n"], axis=0),
+             helper.make_node("Cast", ["h"], ["hf"], to=onnx.TensorProto.FLOAT),
+             helper.make_node("Range", ["zero", "hf", "one"], ["r"]),
+             helper.make_node("Shape", ["r"], ["sr"]), helper.make_node("Unsqueeze", ["n", "ax0"], ["n1"]),
+             helper.make_node("Concat", ["n1", "sr"], ["target"], axis=0),
+             helper.make_node("Expand", ["r", "target"], ["grid"]),
+             helper.make_node("ReduceMean", ["x"], ["m"], axes=[1, 3], keepdims=0),
+             helper.make_node("Add", ["m", "grid"], ["y"], name="add")]
+    inits = {"i2": np.array(2, np.int64), "i0": np.array(0, np.int64), "ax0": i64(0), "zero": np.array(0, np.float32),
+             "one": np.array(1, np.float32)}
+    model = _tiny(nodes, inits, opset=13, in_shape=("N", 3, 8, 8))
+    opt = optimize(import_onnx(model), {"x": [1, 3, 8, 8]})
+    assert [n.op_type for n in opt.nodes] == ["ReduceMean", "Add"]
+    x = np.random.default_rng(5).normal(size=(1, 3, 8, 8)).astype(np.float32)
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
+    np.testing.assert_allclose(run(opt.to_onnx()), run(model), atol=1e-6)
