@@ -14,9 +14,9 @@ from maceq.calibrate.parallel import collect_parallel
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import Preprocess
 from maceq.errors import MaceqError
-from maceq.quant.build import check_supported, select_nodes
+from maceq.quant.build import build_mace_model, check_supported, select_nodes
 from maceq.quant.config import QuantConfig
-from maceq.quant.export import Calibration, QuantizeResult, write_quantized
+from maceq.quant.export import Calibration, QuantizeResult, check_degenerate, write_quantized
 from maceq.quant.ir import Graph
 from maceq.quant.passes.equalize import collect_channel_stats, equalize
 from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
@@ -45,6 +45,15 @@ def _equalize(opt: Graph, config: QuantConfig, *, data: ImageFolder, in_name: st
                  "high_bias_absorption": bool(config.high_bias_absorption), "absorbed_channels": absorbed}
 
 
+def _check_buildable(opt: Graph, shapes: dict, device: Device, *, strict: bool, fp32) -> None:
+    """Place every node and build the model once on wide placeholder ranges, so that what the writer
+    cannot emit (an op form MACE lacks) is refused before calibration; all-zero weights are named first."""
+    placement = check_supported(opt, device=device, strict=strict, shapes=shapes, fp32=fp32)
+    check_degenerate(opt, {}, placement)
+    wide = {t: (-1e3, 1e3) for t in tensors_to_calibrate(opt)}  # the ranges change values, not the ops
+    build_mace_model(opt, wide, shapes, model_name="check", strict=strict, fp32=fp32, device=device)
+
+
 def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, preprocess: Preprocess,
               config: QuantConfig = QuantConfig(), input_shape: list[int] | None = None, progress: bool = True,
               strict: bool = False, devices: "tuple[Device | str, ...]" = (Device.CPU,)) -> Calibration:
@@ -58,7 +67,7 @@ def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, pre
     if unmatched:
         raise MaceqError(f"fp32 layer pattern '{unmatched[0]}' matches no node of {onnx_path}")
     for device in devices:  # fail before the (long) calibration
-        check_supported(opt, device=Device.parse(device), strict=strict, shapes=shapes, fp32=fp32)
+        _check_buildable(opt, shapes, Device.parse(device), strict=strict, fp32=fp32)
     if len(opt.inputs) != 1:
         raise MaceqError(f"{onnx_path}: {len(opt.inputs)} inputs; image calibration supports one-input models")
     in_name = opt.inputs[0].name

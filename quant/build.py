@@ -591,6 +591,11 @@ def uint8_capable(g: Graph, node: Node, shapes=None, *, uint8_resize: bool = Tru
         return False
     if node.op_type == "Conv":
         return _conv_uint8_capable(g, node, shapes or {})
+    if node.op_type in ("Gemm", "MatMul"):
+        # MACE's uint8 FullyConnected: constant weights on a 2-D input (or a view of a 4-D one);
+        # a sequence [N, T, C] (transformer-style text recognizers) takes the float MatMul.
+        shape = (shapes or {}).get(node.inputs[0])
+        return len(node.inputs) > 1 and g.is_const(node.inputs[1]) and (shape is None or len(shape) == 2)
     return True
 
 

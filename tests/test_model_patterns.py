@@ -226,3 +226,25 @@ def test_dilated_and_grouped_convolutions_run_on_the_float_path(tmp_path):
              helper.make_node("Conv", ["d", "wg"], ["y"], group=2, name="grouped")]
     res = _check_all_devices(tmp_path, _save(tmp_path / "dg.onnx", nodes, inits, size=8), 8, tol=0.05)
     assert res.placement == {"c": "uint8", "dilated": "float32", "grouped": "float32"}
+
+
+def test_an_op_form_mace_lacks_is_refused_before_calibration(tmp_path):
+    """A rank-5 Transpose (attention heads of a text recognizer): the writer's refusal comes from a
+    build on placeholder ranges before any image is read (the folder holds none that decode)."""
+    from maceq.errors import MaceqError
+
+    rng = np.random.default_rng(11)
+    inits = {"w": rng.normal(0, .4, (4, 3, 3, 3)).astype(np.float32), "s5": np.array([1, 2, 2, 8, 8], np.int64),
+             "s4": np.array([1, 4, 8, 8], np.int64)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="c"),
+             helper.make_node("Reshape", ["c", "s5"], ["r5"], name="r5"),
+             helper.make_node("Transpose", ["r5"], ["t5"], perm=[0, 2, 1, 3, 4], name="t5"),
+             helper.make_node("Reshape", ["t5", "s4"], ["y"], name="r4")]
+    path = _save(tmp_path / "t5.onnx", nodes, inits, size=8)
+    bad = tmp_path / "notimages"
+    bad.mkdir()
+    (bad / "a.png").write_text("not an image")
+    with pytest.raises(MaceqError, match=r"node 't5' \(Transpose\): rank 5"):
+        quantize(path, bad, output_dir=tmp_path / "out", preprocess=Preprocess(resize=(8, 8)), progress=False,
+                 devices=DEVICES)
+    assert not (tmp_path / "out").exists()
