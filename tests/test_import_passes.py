@@ -90,6 +90,10 @@ def test_bad_models_fail_clearly(tmp_path):
     with pytest.raises(MaceqError, match="--input-shape"):
         fix_input_shapes(import_onnx(dyn), None)
     assert fix_input_shapes(import_onnx(dyn), [1, 3, 16, 16]) == {"x": [1, 3, 16, 16]}
+    fixed = _tiny([helper.make_node("Relu", ["x"], ["y"])], {}, in_shape=(10, 3, 32, 32))
+    with pytest.raises(MaceqError, match=r"input 'x' fixes dimension 2 at 32 \(the graph was exported for that size\)"):
+        fix_input_shapes(import_onnx(fixed), [1, 3, 480, 640])
+    assert fix_input_shapes(import_onnx(fixed), [1, 3, 32, 32]) == {"x": [1, 3, 32, 32]}  # the batch may change
 
 
 def test_constant_arithmetic_and_lone_batchnorm_become_depthwise_convs():
