@@ -10,6 +10,11 @@ class MaceqError(Exception):
     """Bad input or an unsupported construct, explained in one line."""
 
 
+class UndefinedOnDevice(MaceqError):
+    """The device's result for this input is undefined (its kernel writes out of bounds): no model
+    that reaches it may be written."""
+
+
 def one_line(text: object) -> str:
     """``text`` on one line: each line break (any that ``str.splitlines`` knows) becomes the two
     characters ``\\n``, so a name read from a file cannot break a one-line message."""

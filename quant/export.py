@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from maceq.datasets.preprocess import Preprocess
-from maceq.errors import MaceqError
+from maceq.errors import MaceqError, UndefinedOnDevice
 from maceq.mace.cpu_ops import unsupported_ops
 from maceq.mace.format import write_model
 from maceq.quant.build import build_mace_model, check_supported, select_nodes
@@ -219,6 +219,8 @@ def check_output_shapes(built, device: Device, graph: Graph, shapes: dict) -> No
     model = in_memory_model(built.multi_net_def, built.arrays, device)
     try:
         ran = model.run(model.probe_inputs(), device=device, intermediates=True)
+    except UndefinedOnDevice as e:
+        raise MaceqError(f"the {device.value} device cannot run this model: {e}; no model was written") from None
     except MaceqError:
         return
     producer = {o: n for n in graph.nodes for o in n.outputs}

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from maceq.errors import UndefinedOnDevice
 from maceq.mace.enums import DataType
 from maceq.runtime.graph import RtOp
 from maceq.runtime.devices import Device, DeviceSpec, FloatStorage
@@ -100,7 +101,14 @@ class PreparedOp:
 
     def run_stored(self, inputs: list[QTensor]) -> list[QTensor]:
         """The kernel between tensors as the graph stores them: with FLOAT16 storage, half inputs are
-        widened to float32 (unless the kernel computes on them) and float outputs are stored half."""
+        widened to float32 (unless the kernel computes on them) and float outputs are stored half.
+        A result the device leaves undefined is raised naming the op."""
+        try:
+            return self._run_stored(inputs)
+        except UndefinedOnDevice as e:
+            raise UndefinedOnDevice(f"op '{self.op.name}' ({self.op.type}): {e}") from None
+
+    def _run_stored(self, inputs: list[QTensor]) -> list[QTensor]:
         if self.storage is FloatStorage.FLOAT32:
             return self.kernel.run(self, inputs)
         if not self.kernel.half_storage:

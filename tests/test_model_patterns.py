@@ -248,3 +248,21 @@ def test_an_op_form_mace_lacks_is_refused_before_calibration(tmp_path):
         quantize(path, bad, output_dir=tmp_path / "out", preprocess=Preprocess(resize=(8, 8)), progress=False,
                  devices=DEVICES)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_whose_cpu_result_is_undefined_is_not_written(tmp_path):
+    """A 3x3 stride-2 depthwise from 2x2 to 1x1: TFLite's aarch64 fast path writes past its one-pixel
+    output on MACE's CPU (docs/semantics.md). quantize refuses, naming the op; gpu has no such path."""
+    from maceq.errors import MaceqError
+
+    rng = np.random.default_rng(12)
+    inits = {"w": rng.normal(0, .4, (8, 3, 3, 3)).astype(np.float32), "dw": rng.normal(0, .4, (8, 1, 3, 3)).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2], name="c"),
+             helper.make_node("Conv", ["c", "dw"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2], group=8, name="dw")]
+    path = _save(tmp_path / "dw.onnx", nodes, inits, size=4)
+    with pytest.raises(MaceqError, match=r"the cpu device cannot run this model: op 'mace_output_node_dw' "
+                                         r"\(DepthwiseConv2d\): 3x3 fast path writes past its output \(1x1\)"):
+        quantize(path, _images(tmp_path, 4), output_dir=tmp_path / "out", preprocess=Preprocess(resize=(4, 4)),
+                 progress=False, devices=("cpu",))
+    assert not (tmp_path / "out" / "dw.yml").exists()
+    _check_all_devices(tmp_path, path, 4, tol=0.1, devices=("gpu",))

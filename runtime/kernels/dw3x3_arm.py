@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maceq.errors import MaceqError
+from maceq.errors import MaceqError, UndefinedOnDevice
 from maceq.runtime.fixedpoint import multiply_by_quantized_multiplier, wrap_int32
 
 __all__ = ["Fast3x3Shape", "fast3x3_supported", "border_calls", "border_taps", "border_defect",
@@ -177,8 +177,8 @@ def depthwise3x3_edges_ref(x, y, w, bias, *, x_zp: int, w_zp: int, out_zp: int, 
     wo = np.asarray(w, dtype=np.int64).reshape(3, 3, s.c) - int(w_zp)
     for call in border_calls(s):
         if not 0 <= call.output_px < out.shape[0]:
-            raise MaceqError(f"3x3 fast path writes past its output ({s.oh}x{s.ow}) for input {s.h}x{s.w}, "
-                             f"stride {s.stride}: the device's result is undefined")
+            raise UndefinedOnDevice(f"3x3 fast path writes past its output ({s.oh}x{s.ow}) for input {s.h}x{s.w}, "
+                                    f"stride {s.stride}: the device's result is undefined")
         acc = np.asarray(bias, dtype=np.int64).copy()
         for r, c, fr, fc in _call_taps(s, call):
             acc += xo[r, c] * wo[fr, fc]
@@ -232,7 +232,7 @@ def border_taps(s: Fast3x3Shape) -> tuple[np.ndarray, np.ndarray]:
     if s.h == 1 and s.w == 1:
         return np.zeros(1, np.int64), np.array([[-1] * 4 + [0] + [-1] * 4], np.int64)
     if s.ow < 2:
-        raise MaceqError(f"3x3 fast path writes past its output ({s.oh}x{s.ow}) for input {s.h}x{s.w}, "
+        raise UndefinedOnDevice(f"3x3 fast path writes past its output ({s.oh}x{s.ow}) for input {s.h}x{s.w}, "
                          f"stride {s.stride}: the device's result is undefined")
     pix = border_pixels(s)
     table = np.full((len(pix), 9), -1, np.int64)
