@@ -1536,13 +1536,19 @@ def quantized_addsub_ref(a, b, *, a_min, a_max, b_min, b_max, out_min=-INF, out_
 # QuantizedConcat_8, QuantizedMaxPool_8, QuantizedAvgPool_8
 # ----------------------------------------------------------------------------------------------
 
-def concat_params(in_ranges) -> tuple[float, float, list[tuple[int, int]]]:
-    """``concat_execute``'s output range and each input's (offset, gain) -> (min, max, [(offset, gain)])."""
+def _concat_range(in_ranges) -> tuple[float, float]:
+    """The union of the inputs' float32 ranges (fminf/fmaxf over every input), as both concats find it."""
     out_min = f32(in_ranges[0][0])
     out_max = f32(in_ranges[0][1])
     for mn, mx in in_ranges:
         out_min = fminf(out_min, f32(mn))
         out_max = fmaxf(out_max, f32(mx))
+    return out_min, out_max
+
+
+def concat_params(in_ranges) -> tuple[float, float, list[tuple[int, int]]]:
+    """``concat_execute``'s output range and each input's (offset, gain) -> (min, max, [(offset, gain)])."""
+    out_min, out_max = _concat_range(in_ranges)
     if out_min > 0.0:
         out_min = 0.0
     out_level_recip = fdiv(255.0, fsub(out_max, out_min))
@@ -1604,11 +1610,7 @@ def concat_d32_params(in_ranges) -> tuple[float, float, list[tuple[int, int]]]:
     ``offset = (int)((in_min-min)*recip*128)``, ``gain = (int)(recip*level*32768)``, 32767 when
     outside 0..32767 (all truncations).
     """
-    out_min = f32(in_ranges[0][0])
-    out_max = f32(in_ranges[0][1])
-    for mn, mx in in_ranges:
-        out_min = fminf(out_min, f32(mn))
-        out_max = fmaxf(out_max, f32(mx))
+    out_min, out_max = _concat_range(in_ranges)
     if out_min > 0.0:
         out_min = 0.0
     elif out_min < 0.0:
