@@ -183,7 +183,7 @@ def _quantize_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="calibration batch size (default 8)")
     p.add_argument("--max-images", type=int, help="use at most N calibration images")
     _add_parallel_args(p)
-    p.add_argument("--input-shape", help="fix the input shape, e.g. 1,3,224,224")
+    p.add_argument("--input-shape", help="fix the input shape, e.g. 1,3,224,224 (also re-declares a fixed export size)")
     p.add_argument("--eval-dir", help="after quantizing, evaluate float vs int8 on this image folder")
     p.add_argument("--labels", help="labels CSV (file,label) for --eval-dir")
     p.add_argument("--name", help="model name for the output files (default: the ONNX file's stem)")
@@ -272,6 +272,8 @@ def _quantize_options(args) -> _QuantizeOptions:
     input_shape = _csv_numbers(args.input_shape, int, what="--input-shape") if args.input_shape else None
     if not (args.preset or args.preprocess or config.preprocess):
         pre = _fit_to_model(pre, args.model, input_shape, quiet=args.quiet)
+    if input_shape is not None and not args.quiet:
+        _say_redeclared(args.model, input_shape)
     name = args.name or Path(args.model).stem
     check_model_name(name)
     out = Path(args.output) if args.output else default_output_root() / name
@@ -305,6 +307,18 @@ def _fit_to_model(pre: Preprocess, model: str, input_shape, *, quiet: bool) -> P
         print(f"preprocessing from the model's input {'x'.join(map(str, dims))}: {', '.join(changes)} "
               f"(no --preset given)")
     return fitted
+
+
+def _say_redeclared(model: str, input_shape: list[int]) -> None:
+    """Say so when ``--input-shape`` changes a size the model's input fixes (the import checks that no
+    op pins that size)."""
+    graph = load_onnx(model).graph
+    inits = {t.name for t in graph.initializer}
+    inp = next((i for i in graph.input if i.name not in inits), None)
+    dims = [d.dim_value if d.HasField("dim_value") else 0 for d in inp.type.tensor_type.shape.dim] if inp else []
+    if len(dims) == len(input_shape) and any(0 < d != w for d, w in zip(dims[1:], input_shape[1:])):
+        print(f"input '{inp.name}' was exported at {'x'.join(map(str, dims))}; quantizing at "
+              f"{'x'.join(map(str, input_shape))} (--input-shape; no op may fix the exported size)")
 
 
 def _apply_demo_defaults(args) -> dict:

@@ -75,7 +75,7 @@ from typing import Any, Callable, Sequence
 import onnx
 from tqdm import tqdm
 
-from maceq.calibrate.runner import collect, expose_outputs, load_onnx
+from maceq.calibrate.runner import as_model_proto, collect, expose_outputs
 from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
 from maceq.datasets.images import ImageFolder, UnreadableImageWarning
 from maceq.datasets.preprocess import Preprocess
@@ -402,17 +402,6 @@ def collect_shard(job: ShardJob, item: tuple[int, list[str]], report: Callable[[
             "warnings": [str(w.message) for w in caught if issubclass(w.category, UnreadableImageWarning)]}
 
 
-def _as_model(model: "onnx.ModelProto | bytes | str | os.PathLike") -> onnx.ModelProto:
-    if isinstance(model, onnx.ModelProto):
-        return model
-    if isinstance(model, (bytes, bytearray)):
-        try:
-            return onnx.load_model_from_string(bytes(model))
-        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError
-            raise MaceqError(f"cannot parse the serialized ONNX model ({type(e).__name__})") from None
-    return load_onnx(model)
-
-
 def collect_parallel(
     model: "onnx.ModelProto | bytes | str | os.PathLike",
     tensor_names: Sequence[str],
@@ -443,7 +432,7 @@ def collect_parallel(
     names = tuple(dict.fromkeys(tensor_names))
     if not names:
         raise MaceqError("no tensors to calibrate")
-    proto = _as_model(model)
+    proto = as_model_proto(model)
     if executor is Executor.LOCAL and workers == 1:
         return collect(proto, names, trimmed_batches(data, batch_size), input_name=input_name, total=len(data),
                        progress=progress, num_bins=num_bins, intra_op_threads=intra_op_threads)

@@ -22,7 +22,8 @@ from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
 from maceq.errors import MaceqError
 from maceq.yamlio import one_line
 
-__all__ = ["BatchedSession", "collect", "expose_outputs", "fixed_batch", "load_onnx", "make_session"]
+__all__ = ["BatchedSession", "as_model_proto", "collect", "expose_outputs", "fixed_batch", "load_onnx", "make_session",
+           "redeclare_input"]
 
 
 def make_session(
@@ -30,6 +31,7 @@ def make_session(
     *,
     intra_op_threads: int | None = None,
     optimize: bool = True,
+    input_shape: "Sequence[int] | None" = None,
 ) -> ort.InferenceSession:
     """The one onnxruntime CPU session maceq opens: for a serialized model, a ModelProto or a file.
 
@@ -37,7 +39,11 @@ def make_session(
     ``optimize=False`` disables onnxruntime's graph optimisations: a tensor's float value then does
     not depend on which other tensors are requested as outputs (fusions change the float rounding),
     which the per-layer analysis and bias correction need. Warnings are silenced (severity 3).
+    ``input_shape``: the size the model was quantized at, where it differs from a size the model's
+    input fixes (``--input-shape`` re-declares it; see :func:`redeclare_input`).
     """
+    if input_shape is not None:
+        model = redeclare_input(as_model_proto(model), input_shape)
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     elif not isinstance(model, (bytes, bytearray)):
@@ -70,6 +76,43 @@ def load_onnx(path: "str | os.PathLike") -> onnx.ModelProto:
     if not model.graph.node:
         raise MaceqError(f"{path}: the ONNX graph has no nodes")
     return model
+
+
+def as_model_proto(model: "onnx.ModelProto | bytes | str | os.PathLike") -> onnx.ModelProto:
+    """A ModelProto from a ModelProto, a serialized model or a file; MaceqError naming what is wrong."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (bytes, bytearray)):
+        try:
+            return onnx.load_model_from_string(bytes(model))
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError
+            raise MaceqError(f"cannot parse the serialized ONNX model ({type(e).__name__})") from None
+    return load_onnx(model)
+
+
+def redeclare_input(model: onnx.ModelProto, shape: Sequence[int]) -> onnx.ModelProto:
+    """``model`` with its (first) input declared at ``shape`` where its fixed spatial dims differ, and
+    every other declared shape dropped, so onnxruntime runs it at that size; ``model`` itself when
+    nothing differs. The import (quant.onnx_import) has refused graphs with an op that pins the size."""
+    inits = {t.name for t in model.graph.initializer}
+    inp = next((i for i in model.graph.input if i.name not in inits), None)
+    if inp is None:
+        return model
+    dims = inp.type.tensor_type.shape.dim
+    if len(dims) != len(shape) or not any(d.HasField("dim_value") and d.dim_value != w
+                                          for d, w in zip(list(dims)[1:], list(shape)[1:])):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    new_in = next(i for i in out.graph.input if i.name == inp.name)
+    for d, w in zip(new_in.type.tensor_type.shape.dim, shape):
+        d.Clear()
+        d.dim_value = int(w)
+    del out.graph.value_info[:]
+    for o in out.graph.output:
+        if o.type.HasField("tensor_type"):
+            o.type.tensor_type.ClearField("shape")
+    return out
 
 
 def fixed_batch(sess: ort.InferenceSession, input_name: str | None = None) -> int | None:

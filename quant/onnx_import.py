@@ -5,7 +5,6 @@ have no initializer at all). Attributes are decoded to plain Python values.
 """
 from __future__ import annotations
 
-
 import numpy as np
 import onnx
 from onnx import defs, helper, numpy_helper, version_converter
@@ -163,12 +162,9 @@ def _fix_input_shapes(graph: Graph, input_shape: list[int] | None) -> dict[str, 
             if len(input_shape) != len(vi.shape):
                 raise MaceqError(f"--input-shape {','.join(map(str, input_shape))} has rank {len(input_shape)}, "
                                  f"input '{vi.name}' has rank {len(vi.shape)}")
-            fixed = [(j, d, w) for j, (d, w) in enumerate(zip(vi.shape, input_shape))
-                     if j > 0 and isinstance(d, int) and d > 0 and d != w]
-            if fixed:
-                j, d, w = fixed[0]
-                raise MaceqError(f"--input-shape {','.join(map(str, input_shape))}: input '{vi.name}' fixes dimension "
-                                 f"{j} at {d} (the graph was exported for that size), not {w}")
+            if any(j > 0 and isinstance(d, int) and d > 0 and d != w
+                   for j, (d, w) in enumerate(zip(vi.shape, input_shape))):
+                _redeclare(graph, vi, list(input_shape))
             shapes[vi.name] = list(input_shape)
             continue
         if not vi.shape:
@@ -183,3 +179,36 @@ def _fix_input_shapes(graph: Graph, input_shape: list[int] | None) -> dict[str, 
                 raise MaceqError(f"input '{vi.name}' has dynamic dimension {j} ('{d}'): pass --input-shape")
         shapes[vi.name] = dims
     return shapes
+
+
+# ops whose constant inputs or attributes can pin a tensor's size (a Reshape to fixed dims, a
+# Resize to fixed sizes, a Slice cropping at a fixed end, a ConvTranspose's output_shape)
+_SIZE_PINNING = frozenset({"Reshape", "Resize", "Upsample", "Slice", "Expand", "Tile", "ConvTranspose"})
+
+
+def _redeclare(graph: Graph, vi: ValueInfo, shape: list[int]) -> None:
+    """Re-declare input ``vi`` at ``shape`` where the graph was exported for another size.
+
+    Allowed only where no op pins a size: shapes are inferred at the exported size and at the new
+    one, and a size-pinning op whose input changes while its output does not (a Reshape to fixed
+    dims, a Resize to fixed sizes, a Slice cropping at a fixed end) is refused by name, since it
+    would compute something else at the new size."""
+    where = f"--input-shape {','.join(map(str, shape))}"
+    exported = [d if isinstance(d, int) and d > 0 else (1 if j == 0 else None) for j, d in enumerate(vi.shape)]
+    if None in exported:
+        raise MaceqError(f"{where}: input '{vi.name}' mixes fixed and dynamic dimensions {vi.shape}")
+    old = graph.infer_shapes({vi.name: exported})
+    try:
+        new = graph.infer_shapes({vi.name: shape})
+    except MaceqError as e:
+        raise MaceqError(f"{where}: input '{vi.name}' was exported at {'x'.join(map(str, exported))} and the "
+                         f"graph does not take the new size ({e})") from None
+    for n in graph.nodes:
+        if n.op_type not in _SIZE_PINNING or not n.outputs or not n.inputs:
+            continue
+        src, out = n.inputs[0], n.outputs[0]
+        if old.get(src) != new.get(src) and old.get(out) is not None and old.get(out) == new.get(out):
+            raise MaceqError(f"{where}: node '{n.name}' ({n.op_type}) fixes its output at "
+                             f"{'x'.join(map(str, old[out]))} for the exported input size "
+                             f"{'x'.join(map(str, exported))}; re-export the model at the size you need")
+    vi.shape = list(shape)

@@ -104,8 +104,8 @@ def sqnr_db(signal_power: float, noise_power: float) -> float:
 
 def evaluate_segmentation(model: Model, float_model: str | os.PathLike, data: ImageFolder, *,
                           device: str = "cpu", threshold: float = 0.3, progress: bool = True) -> SegEvalResult:
-    sess = make_session(float_model)
     in_name, out_name = model.input_names[0], model.output_names[0]
+    sess = make_session(float_model, input_shape=model.input_shape(in_name))
     f_in = sess.get_inputs()[0].name
     runner = BatchedSession(sess, f_in)
     names = [o.name for o in sess.get_outputs()]
@@ -155,8 +155,8 @@ class _Tally:
 
 def _tally(model: Model, float_model, data: ImageFolder, *, device, batch_size: int, report) -> _Tally:
     """Top-1 agreement, top-5 containment and label hits of ``data``, image by image."""
-    sess = make_session(float_model)
     in_name, out_name = model.input_names[0], model.output_names[0]
+    sess = make_session(float_model, input_shape=model.input_shape(in_name))
     f_in = sess.get_inputs()[0].name
     runner = BatchedSession(sess, f_in)
     outs = [o.name for o in sess.get_outputs()]

@@ -9,7 +9,7 @@ from onnx import helper, numpy_helper
 
 from maceq.errors import MaceqError
 from maceq.quant.ir import ACT_ATTR
-from maceq.calibrate.runner import load_onnx
+from maceq.calibrate.runner import load_onnx, make_session, redeclare_input
 from maceq.quant.onnx_import import fix_input_shapes, import_onnx
 from maceq.quant.passes import optimize
 
@@ -91,9 +91,48 @@ def test_bad_models_fail_clearly(tmp_path):
         fix_input_shapes(import_onnx(dyn), None)
     assert fix_input_shapes(import_onnx(dyn), [1, 3, 16, 16]) == {"x": [1, 3, 16, 16]}
     fixed = _tiny([helper.make_node("Relu", ["x"], ["y"])], {}, in_shape=(10, 3, 32, 32))
-    with pytest.raises(MaceqError, match=r"input 'x' fixes dimension 2 at 32 \(the graph was exported for that size\)"):
-        fix_input_shapes(import_onnx(fixed), [1, 3, 480, 640])
     assert fix_input_shapes(import_onnx(fixed), [1, 3, 32, 32]) == {"x": [1, 3, 32, 32]}  # the batch may change
+
+
+def _conv_then(nodes, inits, in_shape=(10, 3, 32, 32)):
+    """A fixed-size model: a 3x3 conv (4 channels) into ``nodes``."""
+    w = np.random.default_rng(5).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    return _tiny([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv")] + nodes,
+                 {"w": w, **inits}, in_shape=in_shape)
+
+
+def test_input_shape_redeclares_a_size_no_op_pins():
+    """A model exported at a fixed 32x32 whose ops take any size runs at the --input-shape size, in
+    the import and in onnxruntime (the float reference eval uses); one whose op pins the size is refused."""
+    free = _conv_then([helper.make_node("Relu", ["c"], ["r"]),
+                       helper.make_node("Resize", ["r", "", "sc"], ["u"], mode="nearest"),
+                       helper.make_node("Reshape", ["u", "flat"], ["y"], name="flatten")],
+                      {"sc": np.array([1, 1, 2, 2], np.float32), "flat": np.array([1, -1], np.int64)})
+    g = import_onnx(free)
+    assert fix_input_shapes(g, [1, 3, 48, 64]) == {"x": [1, 3, 48, 64]}
+    assert g.inputs[0].shape == [1, 3, 48, 64]
+    assert g.infer_shapes({"x": [1, 3, 48, 64]})["y"] == (1, 4 * 96 * 128)
+    x = np.random.default_rng(6).standard_normal((1, 3, 48, 64)).astype(np.float32)
+    redeclared = redeclare_input(free, [1, 3, 48, 64])
+    np.testing.assert_allclose(_run(redeclared, x), _run(g.to_onnx(), x), rtol=1e-5, atol=1e-5)
+    assert _run(redeclared, x).shape == (1, 4 * 96 * 128)
+    assert make_session(free, input_shape=[1, 3, 48, 64]).get_inputs()[0].shape == [1, 3, 48, 64]
+    assert redeclare_input(free, [10, 3, 32, 32]) is free  # nothing to change
+    pinned = {
+        "to_fixed": ([helper.make_node("Reshape", ["c", "shape"], ["y"], name="to_fixed")],
+                     {"shape": np.array([10, 4, 32 * 32], np.int64)}),
+        "sized": ([helper.make_node("Resize", ["c", "", "", "sizes"], ["y"], name="sized", mode="nearest")],
+                  {"sizes": np.array([10, 4, 64, 64], np.int64)}),
+        "crop": ([helper.make_node("Slice", ["c", "st", "en", "ax"], ["y"], name="crop")],
+                 {"st": np.array([0], np.int64), "en": np.array([32], np.int64), "ax": np.array([3], np.int64)}),
+    }
+    for name, (nodes, inits) in pinned.items():
+        with pytest.raises(MaceqError, match=rf"--input-shape 10,3,32,48: node '{name}' \(\w+\) fixes its output"):
+            fix_input_shapes(import_onnx(_conv_then(nodes, inits)), [10, 3, 32, 48])
+    flat = _conv_then([helper.make_node("Flatten", ["c"], ["f"]),
+                       helper.make_node("Gemm", ["f", "fc"], ["y"])], {"fc": np.ones((4 * 32 * 32, 2), np.float32)})
+    with pytest.raises(MaceqError, match="was exported at 10x3x32x32 and the graph does not take the new size"):
+        fix_input_shapes(import_onnx(flat), [1, 3, 64, 64])
 
 
 def test_constant_arithmetic_and_lone_batchnorm_become_depthwise_convs():
