@@ -49,6 +49,11 @@ def op_macs(op, arrays: dict) -> int:
     return out * per_out
 
 
+def op_elements(op) -> int:
+    """Activation values the op writes per run (the product of its output shapes)."""
+    return sum(int(np.prod([int(d) for d in s.dims])) for s in op.output_shape)
+
+
 def net_macs(ops, arrays: dict) -> int:
     """Multiply-accumulates per run of every op in ``ops``."""
     return sum(op_macs(op, arrays) for op in ops)

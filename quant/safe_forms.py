@@ -31,7 +31,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.mace import mace_pb2
-from maceq.mace.cost import net_macs
+from maceq.mace.cost import net_macs, op_elements
 from maceq.mace.enums import DataType, PoolingType
 from maceq.mace.format import LoadedModel, add_arg, get_arg
 from maceq.runtime.model import Model
@@ -204,8 +204,7 @@ def in_memory_model(multi_net_def, arrays, device: Device) -> Model:
 
 def cost(before: list, after: list, arrays, forms: list[SafeForm]) -> SafeFormCost:
     """Ops, MACs and activation bytes written per run, before the rewrites, and what they add."""
-    act = sum(int(np.prod([int(d) for d in s.dims])) for op in before if op.type != "Dequantize"
-              for s in op.output_shape)
+    act = sum(op_elements(op) for op in before if op.type != "Dequantize")
     if net_macs(before, arrays) != net_macs(after, arrays):
         raise MaceqError("safe forms: the rewrite changed the number of MACs")
     return SafeFormCost(len(before), len(after), net_macs(before, arrays), act, sum(f.added_bytes for f in forms))

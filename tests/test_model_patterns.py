@@ -127,8 +127,14 @@ def test_float_share_counts_the_float_macs_boundaries_and_dsp_fallback(tmp_path)
                    progress=False, devices=("cpu", "dsp"), config=QuantConfig(fp32_layers=("c2",)))
     cpu = float_share(load(res.per_device["cpu"].yml), "cpu")
     assert (cpu.macs, cpu.float_macs) == (8 * 8 * 4 * 27 + 8 * 8 * 4 * 4, 8 * 8 * 4 * 4)
-    assert cpu.boundaries == 1 and cpu.transfers == 0 and cpu.warning is None  # one Dequantize before the float conv
-    assert "1 float<->uint8 boundaries" in cpu.describe()
+    assert cpu.boundaries == 1 and cpu.transfers == 0  # one Dequantize before the float conv
+    # values written: the input's Quantize 3x8x8, then 4x8x8 each by c1, the Dequantize, and in float the
+    # NHWC->NCHW Transpose, c2 (MACE's float conv is NCHW) and the Transpose back
+    assert (cpu.values, cpu.float_values) == (192 + 5 * 256, 4 * 256)
+    assert "1 float<->uint8 boundaries" in cpu.describe() and "69.6% of the activation values written" in cpu.describe()
+    # 13% of the MACs, 70% of the values: the elementwise-work share warns
+    assert cpu.warning.startswith("warning: 70% of the activation values are computed or converted (3 float ops, "
+                                  "1 boundaries) in float32 on cpu")
     dsp = float_share(load(res.per_device["dsp"].yml), "dsp")
     # nnlib has no float ops: every one runs on the cpu fallback, after one dsp -> cpu transfer
     assert dsp.float_macs == cpu.float_macs and dsp.fallback_ops == dsp.float_ops == cpu.float_ops
