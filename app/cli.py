@@ -33,6 +33,7 @@ from maceq.reports.budget import run_check
 from maceq.reports.cost import float_share
 from maceq.reports.evaluate import device_path_lines, evaluate, evaluate_segmentation
 from maceq.reports.report import make_report
+from maceq.reports.verdict import verdict_lines
 from maceq.runtime.devices import Device
 from maceq.runtime.model import load
 from maceq.yamlio import atomic_write, read_yaml
@@ -425,8 +426,9 @@ def _print_device_forms(res) -> None:
 
 def _write_report(per_device, data, out, graph, evals, args, mixed=None) -> int:
 
-    _, files = make_report(per_device, data, output_dir=out, float_model=graph, evals=evals, mixed=mixed,
-                           budget=args.budget, progress=not args.quiet)
+    report, files = make_report(per_device, data, output_dir=out, float_model=graph, evals=evals, mixed=mixed,
+                                budget=args.budget, progress=not args.quiet)
+    print("\n".join(verdict_lines(report)))
     print(f"report: {files.html}\n        {files.json}")
     if args.budget:
         return run_check(files.json, args.budget)
@@ -600,9 +602,10 @@ def _cmd_report(args) -> int:
     data = ImageFolder(args.images, _preprocess_from(args, meta.get("preprocess")), labels=args.labels or "auto",
                        classes=meta.get("classes"))
     out = Path(args.output) if args.output else Path(args.qmodel[0]).resolve().parent
-    _, files = make_report(models, data, output_dir=out, float_model=args.float_model,
-                           analysis_images=args.analysis_images, budget=args.budget, progress=not args.quiet,
-                           **parallel)
+    report, files = make_report(models, data, output_dir=out, float_model=args.float_model,
+                                analysis_images=args.analysis_images, budget=args.budget, progress=not args.quiet,
+                                **parallel)
+    print("\n".join(verdict_lines(report)))
     print(f"wrote {files.html}\nwrote {files.json}")
     return 0
 

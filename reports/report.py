@@ -49,10 +49,13 @@ import numpy as np
 
 from maceq.calibrate.methods import RangeMethod
 from maceq.errors import MaceqError
+from maceq.mace.cost import op_macs
 from maceq.quant.config import LayerOverride, QuantConfig
 from maceq.reports.analysis import analyze_layers, float_reference
 from maceq.reports.budget import Budget, evaluate_budget, load_budget
+from maceq.reports.cost import float_share
 from maceq.reports.evaluate import evaluate
+from maceq.reports.verdict import READING, verdict
 from maceq.runtime.model import load
 from maceq.yamlio import atomic_write
 
@@ -195,6 +198,9 @@ def layer_rows(model, device: str, layers: Sequence | None, producers: Mapping[s
     requested = set(meta.get("fp32_layers") or ())
     fallback = set(meta.get("float_fallback") or ())
     by_op = {L.op: L for L in (layers or ())}
+    outs = set(model.output_names)
+    outs |= {op.inputs[0] for op in model.ops if op.type == "Dequantize" and op.outputs and op.outputs[0] in outs}
+    macs = {op.name: op_macs(op, model.consts) for op in model.net_def.op}
     rows = []
     for idx, op in enumerate(model.ops):
         if op.type in BOUNDARY_OPS or not op.outputs:
@@ -227,6 +233,7 @@ def layer_rows(model, device: str, layers: Sequence | None, producers: Mapping[s
             "measured": False, "metrics_mode": None,
             "sqnr_db": None, "cosine": None, "rel_l2": None, "max_abs_err": None, "elements": None,
             "accumulated": None, "isolated": None,
+            "is_output": op.outputs[0] in outs, "macs": macs.get(op.name, 0),
         }
         if L is not None:
             acc = None if L.accumulated is None else _stats_dict(L.accumulated)
@@ -393,11 +400,19 @@ def build_report(models: Mapping[str, Any], *, float_model, evals: Mapping[str, 
         "recovery": [dict(r) for r in recovery] + list(meta.get("recovery") or []),
         "placement": placement,
         "device_paths": {d: _device_paths(models[d], d) for d in devices},
+        "float_share": {d: _float_share_dict(models[d], d) for d in devices},
         "budget": None,
     }
+    report["verdict"] = verdict(report)
     if budget is not None:
         attach_budget(report, budget)
     return report
+
+
+def _float_share_dict(model, device: str) -> dict:
+    fs = float_share(model, device)
+    return {"mac_share": fs.float_mac_share, "value_share": fs.float_value_share, "float_ops": fs.float_ops,
+            "ops": fs.ops, "boundaries": fs.boundaries, "transfers": fs.transfers, "line": fs.describe()}
 
 
 def attach_budget(report: dict, budget) -> dict:
@@ -406,6 +421,7 @@ def attach_budget(report: dict, budget) -> dict:
     violations = [v.to_dict() for _, v in results if v is not None]
     report["budget"] = {"source": budget.source, "ok": not violations, "checks": len(results),
                         "violations": violations}
+    report["verdict"] = verdict(report)
     return report
 
 
@@ -516,7 +532,7 @@ def render_html(report: Mapping) -> str:
     hist_figs = [histogram_figure(h) for h in report["histograms"]]
     trade_figs = {d: tradeoff_figure(report["mixed_precision"][d].get("auto"), d) for d in report["devices"]}
     return env.get_template("report.html.j2").render(r=report, depth_figs=figs, hist_figs=hist_figs,
-                                                     trade_figs=trade_figs)
+                                                     trade_figs=trade_figs, reading=READING)
 
 
 @dataclass(frozen=True)

@@ -408,3 +408,21 @@ def test_make_report_from_model_files(real, tmp_path):
     key = lambda r: (r["mace_op"], r["name"], r["scale"], r["zero_point"], r["precision"])  # noqa: E731
     assert sorted(map(key, rep["layers"])) == sorted(map(key, dev_rows(real.report, "cpu")))
     assert rep["summary"]["float_weight_bytes"] == real.report["summary"]["float_weight_bytes"]
+
+
+def test_verdict_follows_the_budget_and_names_the_worst_uint8_layers(real):
+    """The inline budget (agreement >= 0.9, every layer >= 10 dB) decides; the costliest layers are
+    the device's uint8 rows with the lowest isolated SQNR; the float share is the model's."""
+    from maceq.reports.cost import float_share
+
+    for device, m in real.models.items():
+        v = real.report["verdict"][device]
+        mine = [x for x in real.report["budget"]["violations"] if x["device"] == device]
+        assert v["against"] == "budget inline"
+        assert v["status"] == ("not fit" if mine else "fit to ship")
+        iso = sorted((r["isolated"]["sqnr_db"], r["index"], r["name"]) for r in dev_rows(real.report, device)
+                     if r["precision"] == "uint8" and r["isolated"] is not None)
+        assert [c["name"] for c in v["costliest"]] == [n for _, _, n in iso[:3]]
+        fs = float_share(m, device)
+        assert real.report["float_share"][device]["line"] == fs.describe()
+    assert 'id="verdict-table"' in render_html(real.report)
