@@ -375,9 +375,12 @@ def _print_quantize_summary(model: str, res) -> None:
             print(f"  {label:<10} {path}")
     for device, steps in res.recovery.items():
         for step in steps:
-            print(f"  {step['step']}" + (f" [{device}]" if step["step"] == "bias correction" else "")
+            per_device = step["step"] in ("bias correction", "adaround")
+            print(f"  {step['step']}" + (f" [{device}]" if per_device else "")
                   + f": {step['detail']}")
     _print_device_forms(res)
+    for line in res.graph.rewrites:
+        print(f"rewritten: {line}")
     kept = set(res.fp32)
     if kept:
         print(f"{len(kept)} layers kept in float32 by request: " + ", ".join(sorted(kept)[:8])

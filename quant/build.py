@@ -591,6 +591,8 @@ def uint8_capable(g: Graph, node: Node, shapes=None, *, uint8_resize: bool = Tru
         return False
     if node.op_type == "Conv":
         return _conv_uint8_capable(g, node, shapes or {})
+    if node.op_type == "Softmax":
+        return _softmax_uint8_capable(g, node, shapes or {})
     if node.op_type in ("Gemm", "MatMul"):
         # MACE's uint8 FullyConnected: constant weights on a 2-D input (or a view of a 4-D one);
         # a sequence [N, T, C] (transformer-style text recognizers) takes the float MatMul.
@@ -610,6 +612,19 @@ def _conv_uint8_capable(g: Graph, node: Node, shapes: dict) -> bool:
     if depthwise:
         return True
     return group == 1 and all(int(d) == 1 for d in node.attr("dilations", [1, 1]))
+
+
+def _softmax_uint8_capable(g: Graph, node: Node, shapes: dict) -> bool:
+    """MACE's uint8 Softmax takes ranks 2 and 4 and runs over the stored last axis: the ONNX axis 1
+    of a 2-D tensor, or of a 4-D one (stored NHWC); any other softmax runs on the float path."""
+    shape = shapes.get(node.inputs[0])
+    if shape is None:
+        return True  # the writer names the problem
+    r = len(shape)
+    if r not in (2, 4):
+        return False
+    axis = int(node.attr("axis", -1 if g.opset >= 13 else 1)) % r
+    return axis == 1 and (g.opset >= 13 or int(np.prod(shape[2:])) == 1)
 
 
 def node_names(node: Node) -> list[str]:

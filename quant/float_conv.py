@@ -277,14 +277,30 @@ def gemm(em: Emitter):
     em.finish(dst, trailing, em.oshape())
 
 
+def _batched_matmul(em: Emitter, dst: str):
+    """Two 4-D activations (attention's q @ k^T and p @ v): they are stored NHWC and MACE's MatMul
+    multiplies the last two dims of the memory order, so both go to NCHW and the product comes back."""
+    sa, sb = em.shape(0), em.shape(1)
+    if len(sb) != 4 or list(sa[:2]) != list(sb[:2]):
+        raise em.err(f"operands {list(sa)} and {list(sb)} (MACE's batched MatMul needs equal batch dims)")
+    tmp = em.tmp("nchw")
+    _matmul_op(em, [em.nchw_in(0), em.nchw_in(1)], tmp, 0)
+    em.nhwc_out(tmp, em.oshape(), dst)
+
+
 def matmul(em: Emitter):
-    """MatMul of ranks 2-3: a constant right operand becomes a [N, K] weight with transpose_b = 1."""
+    """MatMul of ranks 2-3, or of two 4-D activations: a constant right operand becomes a [N, K]
+    weight with transpose_b = 1."""
     if em.is_const(0):
         raise em.err("a constant left operand is not supported")
     ra = len(em.shape(0))
-    if ra == 4 or ra < 2:
-        raise em.err(f"left operand of rank {ra} (ranks 2 and 3 are supported)")
+    if ra < 2 or (ra == 4 and em.is_const(1)):
+        raise em.err(f"left operand of rank {ra} (ranks 2 and 3, or two 4-D activations, are supported)")
     dst, trailing = em.result(fusable=False)
+    if ra == 4:
+        _batched_matmul(em, dst)
+        em.finish(dst, trailing, stored_shape(em.oshape()))
+        return
     if em.is_const(1):
         b = em.const(1, "B").astype(np.float32)
         if b.ndim != 2:

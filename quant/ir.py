@@ -117,6 +117,8 @@ class Graph:
     outputs: list[str]
     opset: int = 17
     name: str = "graph"
+    #: what the passes rewrote into other ops (one line each), for the user to read
+    rewrites: list[str] = field(default_factory=list)
 
     # -- structure -----------------------------------------------------
     def producers(self) -> dict[str, Node]:
