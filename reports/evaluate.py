@@ -7,6 +7,7 @@ the device's input Quantize op recomputes its range from each input tensor
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -39,6 +40,8 @@ class EvalResult:
     safe_forms: list = field(default_factory=list)
     #: Scores per image (the classes); top-5 containment is shown only above 5.
     classes: int = 0
+    #: SQNR of the int8 output against the float output over all images, in dB
+    sqnr_db: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,6 +51,8 @@ class EvalResult:
                f"  top-1 agreement float vs int8:  {100 * self.top1_agreement:6.2f}%"]
         if self.classes == 0 or self.classes > 5:
             out.append(f"  float top-1 in int8 top-5:      {100 * self.float_top1_in_int8_top5:6.2f}%")
+        if self.sqnr_db is not None:
+            out.append(f"  output SQNR float vs int8:      {self.sqnr_db:6.2f} dB")
         if self.float_accuracy is not None:
             out += [f"  float accuracy:                 {100 * self.float_accuracy:6.2f}%",
                     f"  int8 accuracy:                  {100 * self.int8_accuracy:6.2f}%",
@@ -146,11 +151,20 @@ class _Tally:
     q_correct: int = 0
     skipped: int = 0
     classes: int = 0
+    #: per image: sum f^2 and sum (f - q)^2 of the output; summed with math.fsum (correctly rounded,
+    #: so the SQNR does not depend on how the images were sharded)
+    signal: list = field(default_factory=list)
+    noise: list = field(default_factory=list)
 
     def add(self, other: "_Tally") -> None:
         for name in ("images", "agree", "top5", "f_correct", "q_correct", "skipped"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.classes = max(self.classes, other.classes)
+        self.signal += other.signal
+        self.noise += other.noise
+
+    def sqnr_db(self) -> float:
+        return sqnr_db(math.fsum(self.signal), math.fsum(self.noise))
 
 
 def _tally(model: Model, float_model, data: ImageFolder, *, device, batch_size: int, report) -> _Tally:
@@ -169,6 +183,9 @@ def _tally(model: Model, float_model, data: ImageFolder, *, device, batch_size: 
             q_logits = model.run({in_name: batch.data[k:k + 1]}, device=device)[out_name].reshape(-1)
             f_top = int(np.argmax(f_logits[k]))
             q_order = np.argsort(-q_logits, kind="stable")
+            f64, q64 = f_logits[k].astype(np.float64), q_logits.astype(np.float64)
+            t.signal.append(float(np.sum(f64 * f64)))
+            t.noise.append(float(np.sum((f64 - q64) ** 2)))
             t.agree += int(q_order[0] == f_top)
             t.top5 += int(f_top in q_order[:5])
             if batch.labels is not None:
@@ -230,4 +247,5 @@ def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *,
     return EvalResult(device, t.images, t.skipped, t.agree / t.images, t.top5 / t.images,
                       t.f_correct / t.images if labels else None, t.q_correct / t.images if labels else None,
                       deviations=model.deviations(device),
-                      safe_forms=list(model.maceq_meta.get("safe_forms") or []), classes=t.classes)
+                      safe_forms=list(model.maceq_meta.get("safe_forms") or []), classes=t.classes,
+                      sqnr_db=t.sqnr_db())

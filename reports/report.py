@@ -292,13 +292,14 @@ def _mixed_section(model, mixed) -> dict:
 def _eval_summary(ev) -> dict:
     if ev is None:
         return {"images": None, "skipped": None, "top1_agreement": None, "top5_containment": None,
-                "float_accuracy": None, "int8_accuracy": None, "accuracy_drop_points": None}
+                "float_accuracy": None, "int8_accuracy": None, "accuracy_drop_points": None, "output_sqnr_db": None}
     drop = None
     if ev.float_accuracy is not None and ev.int8_accuracy is not None:
         drop = 100.0 * (ev.float_accuracy - ev.int8_accuracy)
     return {"images": ev.images, "skipped": ev.skipped, "top1_agreement": ev.top1_agreement,
             "top5_containment": ev.float_top1_in_int8_top5, "float_accuracy": ev.float_accuracy,
-            "int8_accuracy": ev.int8_accuracy, "accuracy_drop_points": drop}
+            "int8_accuracy": ev.int8_accuracy, "accuracy_drop_points": drop,
+            "output_sqnr_db": json_float(getattr(ev, "sqnr_db", None))}
 
 
 def _device_summary(m, device: str, ev, rows: list[dict], x) -> dict:

@@ -61,8 +61,12 @@ def _grade(value: float | None, fit: float, review: float, *, higher_is_better: 
 
 
 def _output_sqnr(report: Mapping, device: str) -> float | None:
+    """The evaluation's output SQNR, else the layer analysis's worst model-output layer."""
+    ev = report["summary"]["devices"][device].get("output_sqnr_db")
+    if isinstance(ev, (int, float)):
+        return float(ev)
     outs = [r["sqnr_db"] for r in report["layers"] if r["device"] == device and r.get("is_output")
-            and r["sqnr_db"] is not None]
+            and isinstance(r["sqnr_db"], (int, float))]
     return min(outs) if outs else None
 
 
