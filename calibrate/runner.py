@@ -1,16 +1,47 @@
 """Run the float model on calibration batches with onnxruntime and collect statistics.
 
 :func:`collect` exposes every requested tensor as a graph output (once, also
-when it already is one), runs the model batch by batch on the
-CPUExecutionProvider, fetches only the requested tensors, and folds each
-batch's activations into a :class:`~maceq.calibrate.stats.StatsCollector`
-before the next batch runs, so memory holds the activations of one batch at a
-time. A requested tensor that is a graph input is taken from the feed.
+when it already is one), runs the model on the CPUExecutionProvider, fetches
+only the requested tensors, and folds each run's activations into a
+:class:`~maceq.calibrate.stats.StatsCollector` before the next run, releasing
+each array once it is folded in. A requested tensor that is a graph input is
+taken from the feed.
+
+Memory: a run's fetched activations are all held at its end (MobileNetV2 at
+224x224: 28 MB per image), and ``InferenceSession.run`` returns copies of them.
+So a batch whose activations exceed ``fetch_bytes`` (default :data:`FETCH_BYTES`)
+runs as consecutive runs of as many samples as fit (at least one, or a multiple
+of the batch the model's input fixes; per-sample bytes from the outputs' declared
+shapes, else from a first run of one sample), and a run of one sample (or of the
+batch the model fixes) returns read-only views of onnxruntime's own buffers
+(``run_with_ort_values`` and DLPack) instead of copies. Each array is released
+once folded in, and the session before :func:`collect` returns.
+
+The statistics do not depend on the runs: each sample's activations are the same
+whatever batch it runs in (docs/parallel.md), and the statistics of any split of
+the data, folded in any order, are identical (calibrate/stats.py). An output
+whose first dimension is not the run's sample count has no batch dimension and is
+folded in once per batch, on the batch's first run, as BatchedSession treats such
+outputs; so is an output whose declared shape fixes its first dimension at another
+number than the input's batch dimension. NaN or Inf in a batch that ran in parts
+is reported from the whole batch, as if it had run at once.
+
+Speed: onnxruntime runs on a second thread, one run ahead: while it computes the
+next run's activations, this thread decodes the next batch and folds the previous
+run in (onnxruntime and the compiled statistics release the GIL). Runs are folded
+in order, so the result does not depend on the timing. Unless told otherwise,
+onnxruntime gets half the CPUs (:func:`_inference_threads`): with its default,
+every core, its worker threads keep spinning through the statistics on small
+machines.
 """
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -22,8 +53,11 @@ from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
 from maceq.errors import MaceqError
 from maceq.yamlio import one_line
 
-__all__ = ["BatchedSession", "as_model_proto", "collect", "expose_outputs", "fixed_batch", "load_onnx", "make_session",
-           "redeclare_input"]
+__all__ = ["BatchedSession", "FETCH_BYTES", "as_model_proto", "collect", "expose_outputs", "fixed_batch", "load_onnx",
+           "make_session", "redeclare_input"]
+
+#: Bytes of activations one onnxruntime run of :func:`collect` fetches, at most (at least one sample's).
+FETCH_BYTES = 32 << 20
 
 
 def make_session(
@@ -232,8 +266,8 @@ def _batch_len(feed: Mapping[str, np.ndarray]) -> int:
 
 
 def _update(stats: StatsCollector, name: str, arr: np.ndarray, item: Any, batch: int, first: int) -> None:
-    """Fold one batch of tensor ``name`` into ``stats``; NaN or Inf raises MaceqError naming the
-    tensor and the first image (or sample) that holds one."""
+    """Fold one run's values of tensor ``name`` into ``stats``; NaN or Inf raises MaceqError naming
+    the tensor and the first image (or sample) that holds one."""
     a = np.asarray(arr)
     try:
         stats.stats[name].update(a)  # checks min and max: one pass when all is finite
@@ -262,6 +296,218 @@ def _nonfinite_message(name: str, a: np.ndarray, item: Any, batch: int, first: i
             f"ranges need finite activations: check the model and the preprocessing for this input")
 
 
+class _RunPlan:
+    """How batches are cut into onnxruntime runs (module docstring): whole batches while their
+    fetched activations fit ``budget`` bytes, else as many samples as fit, at least ``unit`` (the
+    model's fixed batch, or 1); and which outputs have no batch dimension."""
+
+    def __init__(self, sess: ort.InferenceSession, input_name: str, fetch: Sequence[str], budget: int) -> None:
+        self.budget = budget
+        self.unbatched = _declared_unbatched(sess, input_name, fetch)
+        self.per_sample = _declared_sample_bytes(sess, [n for n in fetch if n not in self.unbatched])
+
+    def next(self, remaining: int, unit: int) -> int:
+        """Samples in the next run of a batch with ``remaining`` samples left."""
+        if self.per_sample is None:  # learnt from a first run of one unit
+            return min(remaining, unit)
+        fit = max(unit, self.budget // max(1, self.per_sample) // unit * unit)
+        return min(remaining, fit)
+
+    def learn(self, outs: Sequence[np.ndarray], samples: int) -> None:
+        if self.per_sample is None and samples > 0:
+            per_sample = sum(o.nbytes for o in outs if o.ndim and o.shape[0] == samples)
+            self.per_sample = -(-per_sample // samples)
+
+    def per_sample_output(self, name: str, arr: np.ndarray, samples: int) -> bool:
+        """Whether output ``name`` of a run of ``samples`` samples holds one row per sample: its
+        first dimension is the sample count, and its declared shape does not fix that dimension
+        at another value."""
+        return bool(arr.ndim) and arr.shape[0] == samples and name not in self.unbatched
+
+
+_ITEMSIZE = {"tensor(float)": 4, "tensor(double)": 8, "tensor(float16)": 2, "tensor(bfloat16)": 2,
+             "tensor(int64)": 8, "tensor(int32)": 4, "tensor(int16)": 2, "tensor(int8)": 1, "tensor(uint8)": 1,
+             "tensor(bool)": 1}
+
+
+def _declared_sample_bytes(sess: ort.InferenceSession, fetch: Sequence[str]) -> int | None:
+    """Bytes of one sample of the ``fetch`` outputs from their declared shapes; None when a
+    shape past the batch dimension or an element type is not known."""
+    declared = {o.name: o for o in sess.get_outputs()}
+    total = 0
+    for name in fetch:
+        o = declared.get(name)
+        dims = list(o.shape[1:]) if o is not None and o.shape else None
+        size = _ITEMSIZE.get(o.type) if o is not None else None
+        if dims is None or size is None or not all(isinstance(d, int) and d >= 0 for d in dims):
+            return None
+        total += math.prod(dims) * size
+    return total
+
+
+def _declared_unbatched(sess: ort.InferenceSession, input_name: str, fetch: Sequence[str]) -> frozenset[str]:
+    """The outputs whose declared shape has no batch dimension: a scalar, or a first dimension
+    fixed at a number other than the input's batch dimension."""
+    inp = next((i for i in sess.get_inputs() if i.name == input_name), None)
+    batch = inp.shape[0] if inp is not None and inp.shape else None
+    if batch is None:
+        return frozenset()
+    wanted = set(fetch)
+    return frozenset(o.name for o in sess.get_outputs() if o.name in wanted and o.shape is not None
+                     and (len(o.shape) == 0 or (isinstance(o.shape[0], int) and o.shape[0] != batch)))
+
+
+def _parts(feed: Mapping[str, np.ndarray], n: int, samples: int) -> bool:
+    """Whether the batch may run in parts of ``samples``: every feed has the batch dimension."""
+    return 0 < samples < n and all(v.ndim >= 1 and v.shape[0] == n for v in feed.values())
+
+
+@dataclass
+class _Run:
+    """One onnxruntime run: samples ``start:stop`` of batch number ``batch`` (whose first sample is
+    sample ``first`` of the calibration set); ``split`` when the batch runs in parts."""
+
+    item: Any
+    feed: dict[str, np.ndarray]
+    batch: int
+    first: int
+    start: int
+    stop: int
+    split: bool
+
+    def part(self) -> dict[str, np.ndarray]:
+        return {k: v[self.start:self.stop] for k, v in self.feed.items()} if self.split else self.feed
+
+    @property
+    def last(self) -> bool:
+        return self.stop >= _batch_len(self.feed)
+
+
+def _inference_threads() -> int:
+    """onnxruntime's intra-op threads when the caller does not say: half the CPUs this process may
+    use (at least one); the statistics of the previous run take another core meanwhile."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // 2)
+
+
+def _plan_runs(batches: Iterable[Any], input_name: str, from_feed: list[str], fetch: list[str],
+               runner: BatchedSession, plan: _RunPlan):
+    """The runs of every batch in order; a batch is read (decoded) when its first run is asked for."""
+    first = 0
+    for batch, item in enumerate(batches):
+        feed = _feed(item, input_name)
+        for name in from_feed:
+            if name not in feed:
+                raise MaceqError(f"calibration batch {batch} does not feed input '{name}'")
+        n = _batch_len(feed)
+        start = 0
+        while True:
+            size = plan.next(n - start, runner.rows or 1) if fetch else n
+            split = start > 0 or _parts(feed, n, size)
+            stop = start + size if split else n
+            yield _Run(item, feed, batch, first, start, stop, split)
+            if stop >= n:
+                break
+            start = stop
+        first += n
+
+
+def _infer(runner: BatchedSession, fetch: list[str], part: dict[str, np.ndarray], samples: int,
+           what: str) -> list[np.ndarray]:
+    """onnxruntime's ``fetch`` outputs for one run. Where BatchedSession would run the feed as it is
+    (one sample, or the batch the model fixes), the arrays are read-only views of onnxruntime's own
+    buffers (DLPack), not copies: a run's activations are then held once, not twice."""
+    if not fetch:
+        return []
+    if runner.rows != samples and not (samples == 1 and runner.rows is None):
+        return runner.run(fetch, part, what=what)
+    try:
+        values = runner.sess.run_with_ort_values(
+            fetch, {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in part.items()})
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+        raise MaceqError(f"onnxruntime failed on {what}: {' '.join(str(e).split())}") from None
+    try:
+        return [np.from_dlpack(v) for v in values]
+    except (TypeError, RuntimeError, BufferError):  # an element type DLPack does not carry
+        return [v.numpy() for v in values]
+
+
+def _fold_run(stats: StatsCollector, plan: _RunPlan, fetch: list[str], from_feed: list[str], run: _Run,
+              outs: list[np.ndarray]) -> None:
+    """Fold one run's activations in, releasing each array once it is folded in."""
+    item = _part_item(run.item, run.start, run.stop, run.split)
+    part = run.part()
+    at = run.first + run.start
+    for name in from_feed:
+        _update(stats, name, part[name], item, run.batch, at)
+    for i, name in enumerate(fetch):
+        arr, outs[i] = outs[i], None
+        if not run.split or plan.per_sample_output(name, arr, run.stop - run.start):
+            _update(stats, name, arr, item, run.batch, at)
+        elif run.start == 0:  # no batch dimension: once per batch
+            _update(stats, name, arr, run.item, run.batch, run.first)
+        del arr
+
+
+def _run_all(stats: StatsCollector, runner: BatchedSession, plan: _RunPlan, fetch: list[str], from_feed: list[str],
+             runs, bar) -> int:
+    """Run and fold every run; the next run's inference (on a second thread: onnxruntime and the
+    compiled statistics release the GIL) and the next batch's decoding overlap the folding of the
+    previous run. Returns the number of batches."""
+    def infer(run: _Run) -> list[np.ndarray]:
+        outs = _infer(runner, fetch, run.part(), run.stop - run.start, f"calibration batch {run.batch}")
+        plan.learn(outs, run.stop - run.start)
+        return outs
+
+    batches = 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="maceq-calibrate") as pool:
+        pending = ahead = None
+        for run in itertools.chain(runs, [None]):
+            ahead = None if run is None else (run, pool.submit(infer, run))
+            if pending is not None:
+                done, outs = pending[0], pending[1].result()
+                try:
+                    _fold_run(stats, plan, fetch, from_feed, done, outs)
+                except MaceqError:
+                    if done.split:  # NaN or Inf: reported from the whole batch, once the run in flight ends
+                        if ahead is not None and not ahead[1].cancel():
+                            wait([ahead[1]])
+                        _raise_for_whole_batch(runner, fetch, from_feed, done.feed, done.item, done.batch, done.first)
+                    raise
+                del outs
+                if done.last:
+                    batches += 1
+                    bar.update(_batch_len(done.feed))
+            pending = ahead
+    return batches
+
+
+class _PartItem:
+    """The image paths of one part of a batch, for the NaN/Inf message."""
+
+    def __init__(self, paths: Sequence[Any]) -> None:
+        self.paths = paths
+
+
+def _part_item(item: Any, start: int, stop: int, split: bool) -> Any:
+    paths = getattr(item, "paths", None)
+    return _PartItem(paths[start:stop]) if split and paths is not None else item
+
+
+def _raise_for_whole_batch(runner: BatchedSession, fetch: list[str], from_feed: list[str], feed: dict[str, np.ndarray],
+                           item: Any, batch: int, first: int) -> None:
+    """NaN or Inf in a batch that ran in parts: the error a run of the whole batch gives (the first
+    tensor, in order, with a non-finite value in the batch; the counts and images of the batch)."""
+    outs = dict(zip(fetch, runner.run(fetch, feed, what=f"calibration batch {batch}")))
+    for name in from_feed + fetch:
+        a = np.asarray(feed[name] if name in from_feed else outs[name])
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise MaceqError(_nonfinite_message(name, a, item, batch, first)) from None
+
+
 def collect(
     model: onnx.ModelProto,
     tensor_names: Sequence[str],
@@ -272,6 +518,7 @@ def collect(
     progress: bool = True,
     num_bins: int = DEFAULT_BINS,
     intra_op_threads: int | None = None,
+    fetch_bytes: int = FETCH_BYTES,
 ) -> StatsCollector:
     """Statistics of ``tensor_names`` over all ``batches``.
 
@@ -279,7 +526,8 @@ def collect(
     ``input_name``, by default the model's only input), dicts input name ->
     array, or arrays. ``total``: the number of samples, for the progress bar,
     which advances by each batch's leading dimension; it is shown on stderr
-    when ``progress`` is true and stderr is a terminal.
+    when ``progress`` is true and stderr is a terminal. ``fetch_bytes``: the
+    activations one onnxruntime run may return (module docstring).
     """
     names = list(dict.fromkeys(tensor_names))
     if not names:
@@ -292,30 +540,18 @@ def collect(
         input_name = graph_inputs[0]
     elif input_name not in graph_inputs:
         raise MaceqError(f"model has no input '{input_name}' (inputs: {', '.join(graph_inputs)})")
-    sess = make_session(expose_outputs(model, names).SerializeToString(), intra_op_threads=intra_op_threads)
-    runner = BatchedSession(sess, input_name)
+    # the exposed copy and its serialization are dropped as soon as the session holds the model
+    runner = BatchedSession(make_session(expose_outputs(model, names).SerializeToString(),
+                                         intra_op_threads=intra_op_threads or _inference_threads()), input_name)
     fetch = [n for n in names if n not in graph_inputs]
     from_feed = [n for n in names if n in graph_inputs]
-
+    plan = _RunPlan(runner.sess, input_name, fetch, fetch_bytes)
     stats = StatsCollector(names, num_bins=num_bins)
     show = bool(progress) and sys.stderr.isatty()
-    seen = 0
-    first = 0  # index of the batch's first sample in the whole calibration set
     with tqdm(total=total, disable=not show, unit="img", desc="calibrate", leave=False) as bar:
-        for item in batches:
-            feed = _feed(item, input_name)
-            n_samples = _batch_len(feed)
-            outs = runner.run(fetch, feed, what=f"calibration batch {seen}") if fetch else []
-            for name in from_feed:
-                if name not in feed:
-                    raise MaceqError(f"calibration batch {seen} does not feed input '{name}'")
-                _update(stats, name, feed[name], item, seen, first)
-            for name, arr in zip(fetch, outs):
-                _update(stats, name, arr, item, seen, first)
-            del outs, feed
-            seen += 1
-            first += n_samples
-            bar.update(n_samples)
+        seen = _run_all(stats, runner, plan, fetch, from_feed,
+                        _plan_runs(batches, input_name, from_feed, fetch, runner, plan), bar)
+    del runner  # the session and its buffers go before the caller goes on
     if seen == 0:
         raise MaceqError("no calibration batches")
     return stats

@@ -175,6 +175,183 @@ def test_collector_merge_is_union():
         m["w"]
 
 
+# -- the compiled update and its numpy reference -------------------------------------
+F32 = np.float32
+FMAX = float(np.finfo(np.float32).max)
+TINY = 2.0**-149
+
+
+def _edges(e: int, ks) -> np.ndarray:
+    """float32 values k * 2**e: exactly on bin edges of the grid of exponent e."""
+    return np.ldexp(np.asarray(ks, np.float64), e).astype(F32)
+
+
+def adversarial() -> dict[str, list[np.ndarray]]:
+    """Named sequences of float32 batches for the compiled-vs-reference comparison."""
+    rng = np.random.default_rng(21)
+    ks = np.arange(-1024, 1024)
+    on_edges = _edges(-10, ks)  # [-1, 1) on 2048 bins: e = -10, every value on an edge
+    return {
+        "subnormals": [np.array([TINY, -TINY, 3 * TINY, 2.0**-130, -(2.0**-127), 2.0**-126, 0.0], F32),
+                       np.array([5 * TINY, -TINY, -2 * TINY], F32)],
+        "subnormals_then_normal": [np.array([TINY, 2 * TINY], F32), rng.normal(0, 1e-3, 5000).astype(F32),
+                                   np.array([-TINY], F32)],
+        "huge_range": [np.array([-FMAX, FMAX, 0.0, 1e-38, -1e-45], F32), rng.normal(0, 1e30, 3000).astype(F32)],
+        "huge_one_sided": [np.array([FMAX, FMAX / 3], F32), np.array([1e38, 2e38, 3e38], F32),
+                           np.array([1.0, 2.0**-140], F32)],
+        "negative_zero": [np.array([-0.0], F32), np.array([0.0, -0.0], F32), np.array([-0.0, 1.0, -0.0], F32),
+                          np.array([-1.0, -0.0], F32), np.array([-0.0] * 5, F32)],
+        "bin_edges": [on_edges, np.nextafter(on_edges, F32(np.inf)), np.nextafter(on_edges, F32(-np.inf)),
+                      _edges(-9, np.arange(-2048, 2048, 3)),  # the range doubles: e = -9, old edges stay edges
+                      on_edges],
+        "growing": [F32(2.0**i) * rng.uniform(-1, 1, 300).astype(F32) for i in range(-20, 30, 3)]
+                   + [np.array([1e10 * (1 + 2.0**-20)], F32), np.array([-1e10], F32)],
+        "slowly_growing": [rng.normal(0, 1, 100).astype(F32) * F32(1 + i / 50) for i in range(40)],
+        "shifting": [rng.uniform(-40, -10, 300).astype(F32), rng.uniform(10, 40, 300).astype(F32),
+                     rng.uniform(1000, 1001, 300).astype(F32), rng.uniform(-1001, -1000, 300).astype(F32)],
+        "constant": [np.full(100, 3.5, F32), np.full(7, 3.5, F32), np.full(3, -3.5, F32)],
+        "block_sizes": [rng.normal(size=n).astype(F32) for n in (1, 3, 4, 5, 1023, 1024, 1025, 2049, 4099)],
+        "relu_runs": [np.maximum(rng.normal(size=(2, 8, 17, 17)), 0).astype(F32) for _ in range(3)],
+        "non_contiguous": [rng.normal(size=(64, 33)).astype(F32).T, rng.normal(size=(10, 12)).astype(F32)[::2, 1::3],
+                           np.zeros((0, 3), F32)],
+    }
+
+
+def _same(a: TensorStats, b: TensorStats) -> bool:
+    """Equal in every field, the signs of min and max included."""
+    return (a.to_dict() == b.to_dict() and json.dumps(a.to_dict()) == json.dumps(b.to_dict())
+            and a.exp == b.exp and a.base == b.base)
+
+
+def _spy_fold(monkeypatch) -> list[int]:
+    """Record the mode of every call of the compiled loop."""
+    import maceq.calibrate.stats as stats_mod
+
+    calls: list[int] = []
+    real = stats_mod._fold
+
+    def spy(v, bits, scale, fbase, mode, key_lo, key_hi, counts):
+        calls.append(mode)
+        return real(v, bits, scale, fbase, mode, key_lo, key_hi, counts)
+
+    monkeypatch.setattr(stats_mod, "_fold", spy)
+    return calls
+
+
+def test_the_compiled_path_runs_for_float32_and_the_reference_otherwise(monkeypatch):
+    from maceq.calibrate import stats as stats_mod
+
+    x = np.random.default_rng(0).normal(size=1000).astype(F32)
+    monkeypatch.delenv("MACEQ_NO_JIT", raising=False)
+    assert stats_mod.update_path(x) == "compiled", "numba is a dependency: float32 must take the compiled loop"
+    assert stats_mod.update_path(x.astype(np.float64)) == "numpy"
+    assert stats_mod.update_path(np.arange(5)) == "numpy"
+    calls = _spy_fold(monkeypatch)
+    compiled = TensorStats("t").update(x)
+    assert calls == [stats_mod._RANGE, stats_mod._COUNT]  # empty: the range, then the counts on its grid
+    compiled.update(x[:10])  # inside the range: one pass, counts added
+    assert calls[2:] == [stats_mod._BOTH]
+    compiled.update(x * 3)  # wider: the speculative pass, then a recount on the new grid
+    assert calls[3:] == [stats_mod._BOTH, stats_mod._COUNT]
+    n = len(calls)
+    reference = TensorStats("t").update_numpy(x).update_numpy(x[:10]).update_numpy(x * 3)
+    assert len(calls) == n and _same(compiled, reference)
+    monkeypatch.setenv("MACEQ_NO_JIT", "1")
+    assert stats_mod.update_path(x) == "numpy"
+    assert _same(TensorStats("t").update(x).update(x[:10]).update(x * 3), reference) and len(calls) == n
+
+
+@pytest.mark.parametrize("num_bins", [2, 3, 17, DEFAULT_BINS])
+@pytest.mark.parametrize("name", list(adversarial()))
+def test_compiled_update_equals_the_reference_bit_for_bit(name, num_bins, monkeypatch):
+    monkeypatch.delenv("MACEQ_NO_JIT", raising=False)
+    parts = adversarial()[name]
+    assert all(p.dtype == F32 for p in parts)
+    compiled, reference = TensorStats(name, num_bins=num_bins), TensorStats(name, num_bins=num_bins)
+    for p in parts:
+        compiled.update(p)
+        reference.update_numpy(p)
+        assert _same(compiled, reference), (name, p[:4])
+    allv = np.concatenate([p.ravel() for p in parts]).astype(np.float64)
+    assert compiled.count == allv.size and compiled.min == allv.min() and compiled.max == allv.max()
+    assert math.copysign(1, compiled.min) == 1 or compiled.min != 0  # a zero min is +0.0
+    if num_bins in (17, DEFAULT_BINS) and allv.size < 20_000:  # the exact rule, by Fractions
+        want = np.zeros(num_bins, np.int64)
+        for v in allv.tolist():
+            want[exact_bin(v, compiled.exp) - compiled.base] += 1
+        assert np.array_equal(compiled.counts, want)
+    # any sharding, compiled per shard and merged in any order, gives the reference's whole
+    rng = np.random.default_rng(len(name) + num_bins)
+    for _ in range(3):
+        owners = rng.integers(0, 3, len(parts))
+        shards_ = [TensorStats(name, num_bins=num_bins) for _ in range(3)]
+        for i in rng.permutation(len(parts)):
+            shards_[owners[i]].update(parts[i])
+        order = rng.permutation(3)
+        merged = shards_[order[0]].merge(shards_[order[1]]).merge(shards_[order[2]])
+        assert _same(merged, reference)
+
+
+def test_compiled_update_after_float64_data_keeps_the_exact_range(monkeypatch):
+    """A running min/max that float32 cannot hold (fed float64 first): the float32 batch that
+    follows must widen it exactly when its values lie outside, however close."""
+    monkeypatch.delenv("MACEQ_NO_JIT", raising=False)
+    for lo, hi in ((0.1, 0.7), (-0.1, -0.05), (1e-300, 1e300), (-1e300, 3.0)):
+        start = np.array([lo, hi])
+        for batch in (np.array([0.1, 0.7], F32), np.array([-0.1, -0.05], F32), np.array([1.0], F32),
+                      np.nextafter(np.array([0.1, 0.7], F32), F32(0))):
+            a = TensorStats("t").update(start).update(batch)
+            b = TensorStats("t").update_numpy(start).update_numpy(batch)
+            assert _same(a, b), (lo, hi, batch)
+
+
+def test_range_keys_order_float32_values_as_the_floats_do():
+    """The compiled loop decides 'inside the running range' on sortable integer keys."""
+    from maceq.calibrate.stats import _key, _unkey
+
+    def key(x) -> int:
+        b = int(np.array(x, F32).view(np.int32))
+        return b ^ 0x7FFFFFFF if b < 0 else b
+
+    rng = np.random.default_rng(4)
+    bounds = [0.0, -0.0, 1e-50, -1e-50, 0.1, -0.1, 1e300, -1e300, FMAX, -FMAX, 3.5e38, TINY, -TINY, 1.5 * TINY,
+              1.0, 1.0 + 2.0**-30, -1.0 - 2.0**-30] + list(rng.normal(size=100) * 10.0 ** rng.integers(-45, 39, 100))
+    with np.errstate(over="ignore"):
+        xs = np.concatenate([np.array(bounds).astype(F32), np.array([0.0, -0.0, np.inf, -np.inf, TINY, -TINY], F32)])
+    for v in bounds:
+        up, down = _key(v, up=True), _key(v, up=False)
+        for x in xs:
+            assert (float(x) >= v) == (key(x) >= up) and (float(x) <= v) == (key(x) <= down), (float(x), v)
+    for x in xs:
+        assert _unkey(key(x)) == float(x) and math.copysign(1, _unkey(key(x))) == math.copysign(1, float(x))
+
+
+def test_compiled_update_nan_and_inf_leave_the_statistics_unchanged(monkeypatch):
+    monkeypatch.delenv("MACEQ_NO_JIT", raising=False)
+    x = np.random.default_rng(1).normal(size=3000).astype(F32)
+    neg_nan = -np.abs(np.array([np.nan], F32))
+    for bad in (np.array([1.0, np.nan], F32), neg_nan, np.array([np.inf, -np.inf, 0], F32),
+                np.concatenate([x, np.array([np.nan, np.inf], F32), x])):
+        for before in (np.zeros(0, F32), x):
+            a, b = TensorStats("c").update(before), TensorStats("c").update_numpy(before)
+            with pytest.raises(MaceqError) as ea:
+                a.update(bad)
+            with pytest.raises(MaceqError) as eb:
+                b.update_numpy(bad)
+            assert str(ea.value) == str(eb.value) and "NaN and" in str(ea.value)
+            assert _same(a, b) and _same(a, TensorStats("c").update_numpy(before))
+
+
+def test_a_zero_min_or_max_is_kept_as_positive_zero():
+    for x in (np.array([-0.0], F32), np.array([-0.0, 0.0], F32), np.array([-0.0], np.float64)):
+        st = TensorStats("z").update(x)
+        assert st.min == st.max == 0.0
+        assert math.copysign(1, st.min) == math.copysign(1, st.max) == 1
+    d = TensorStats("z").update(np.array([-0.0, 1.0], F32)).to_dict()
+    d["min"] = -0.0
+    assert math.copysign(1, TensorStats.from_dict(d).min) == 1
+
+
 # -- range methods ----------------------------------------------------------------
 DISTS = {
     "normal": lambda r: r.normal(0, 1, 200_000),
@@ -300,3 +477,128 @@ def test_runner_outputs_added_once_and_errors():
     bad = np.full((1, 1, 28, 28), np.nan, np.float32)
     with pytest.raises(MaceqError, match=f"tensor '{inner}': .*NaN"):
         collect(model, [inner], [bad], progress=False)
+
+
+def _spy_runs(monkeypatch) -> list[int]:
+    """The sample count of every onnxruntime run collect() makes."""
+    from maceq.calibrate import runner as runner_mod
+
+    sizes: list[int] = []
+    real = runner_mod._infer
+
+    def spy(runner, fetch, part, samples, what):
+        assert all(v.shape[0] == samples for v in part.values())
+        sizes.append(samples)
+        return real(runner, fetch, part, samples, what)
+
+    monkeypatch.setattr(runner_mod, "_infer", spy)
+    return sizes
+
+
+def test_batches_run_in_parts_give_the_statistics_of_whole_batches(monkeypatch):
+    model = onnx.load(str(FMNIST_MODEL))
+    convs = [n.output[0] for n in model.graph.node if n.op_type in ("Conv", "Clip", "Add")]
+    names = [convs[0], convs[3], convs[-1], "/8/GlobalAveragePool_output_0", "logits", "input"]
+    ds = ImageFolder(DATA / "fashion_mnist" / "calib", PRESETS["fmnist"], limit=45)
+    batches = list(ds.iter_batches(8))
+    sizes = _spy_runs(monkeypatch)
+    whole = collect(model, names, iter(batches), progress=False, fetch_bytes=1 << 40)
+    assert sizes == [8] * 5 + [5]
+    for budget, per_run in ((1, 1), (3 * _sample_bytes(model, names), 3)):
+        sizes.clear()
+        parts = collect(model, names, iter(batches), progress=False, fetch_bytes=budget, intra_op_threads=1)
+        assert sizes == ([per_run] * (8 // per_run) + ([8 % per_run] if 8 % per_run else [])) * 5 + \
+            [per_run] * (5 // per_run) + ([5 % per_run] if 5 % per_run else [])
+        assert parts.to_dict() == whole.to_dict()
+
+
+def _sample_bytes(model: onnx.ModelProto, names: list[str]) -> int:
+    sess = make_session(expose_outputs(model, names).SerializeToString())
+    out = {o.name: o for o in sess.get_outputs()}
+    return sum(4 * math.prod(out[n].shape[1:]) for n in names if n in out)
+
+
+def _tiny_model(nan: bool = False) -> onnx.ModelProto:
+    """x [N, 4] -> d = x / x (NaN where x is 0) or x + 1 -> y = Relu(d); c = Relu(w): [3], no batch dimension."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("Div" if nan else "Add", ["x", "x" if nan else "one"], ["d"]),
+             helper.make_node("Relu", ["d"], ["y"]), helper.make_node("Relu", ["w"], ["c"])]
+    inits = [numpy_helper.from_array(np.array([-1.0, 0.5, 2.0], F32), "w"),
+             numpy_helper.from_array(np.array(1.0, F32), "one")]
+    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4]),
+                               helper.make_tensor_value_info("c", TensorProto.FLOAT, [3])], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_output_without_batch_dimension_is_folded_once_per_batch(monkeypatch):
+    """c has 3 rows like a run of 3 samples: its declared shape says it has no batch dimension."""
+    model = _tiny_model()
+    rng = np.random.default_rng(2)
+    batches = [rng.normal(size=(n, 4)).astype(F32) for n in (5, 5, 2)]
+    sizes = _spy_runs(monkeypatch)
+    whole = collect(model, ["d", "c", "x"], batches, progress=False)
+    three = collect(model, ["d", "c", "x"], batches, progress=False, fetch_bytes=3 * 16 + 3)
+    assert sizes == [5, 5, 2] + [3, 2, 3, 2, 2]
+    assert three.to_dict() == whole.to_dict()
+    assert whole["c"].count == 3 * 3 and whole["d"].count == 12 * 4
+
+
+def test_nan_in_a_batch_run_in_parts_is_reported_as_for_the_whole_batch():
+    model = _tiny_model(nan=True)
+    rng = np.random.default_rng(3)
+    data = [rng.uniform(1, 2, (4, 4)).astype(F32) for _ in range(3)]
+    data[1][1, 2] = data[1][3, 0] = data[1][3, 1] = 0.0  # NaN in samples 5 and 7 of d (and so of y)
+    data[2][0, 0] = 0.0
+
+    def message(batches, **kw):
+        with pytest.raises(MaceqError) as info:
+            collect(model, ["y", "d"], batches, progress=False, **kw)
+        return str(info.value)
+
+    plain = message(data)
+    assert "tensor 'y': 3 NaN and 0 Inf" in plain and "on sample 5 (calibration batch 1)" in plain
+    assert message(data, fetch_bytes=1) == plain
+    from maceq.datasets.images import Batch
+
+    items = [Batch(d, [f"img{4 * b + i}.png" for i in range(4)]) for b, d in enumerate(data)]
+    named = message(items)
+    assert "on image img5.png (and 1 more in calibration batch 1)" in named
+    assert message(items, fetch_bytes=1) == named
+
+
+@pytest.mark.slow
+def test_peak_memory_of_a_mobilenet_v2_calibration_is_flat_and_bounded(tmp_path):
+    """Fresh processes calibrate MobileNetV2 on 8 and 40 images: the kernel's peak RSS stays under
+    400 MB and grows by at most 10%."""
+    import subprocess
+    import sys
+
+    from maceq.datasets.preprocess import PRESETS as P
+    from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
+
+    opt, _, _ = prepare_graph(DATA / "models" / "mobilenet_v2.onnx", input_shape=None, preprocess=P["imagenet"])
+    (tmp_path / "m.onnx").write_bytes(opt.to_onnx().SerializeToString())
+    (tmp_path / "names.json").write_text(json.dumps(tensors_to_calibrate(opt)))
+    code = ("import json, sys, onnx\n"
+            "from maceq.calibrate.parallel import collect_parallel\n"
+            "from maceq.datasets.images import ImageFolder\n"
+            "from maceq.datasets.preprocess import PRESETS\n"
+            "d = ImageFolder(sys.argv[1], PRESETS['imagenet'], labels=None, limit=int(sys.argv[2]))\n"
+            f"collect_parallel(onnx.load({str(tmp_path / 'm.onnx')!r}), json.load(open({str(tmp_path / 'names.json')!r})),"
+            f" d, workers=1, input_name={opt.inputs[0].name!r}, progress=False)\n")
+    # a small launcher forks the child: the kernel counts the forking process's resident pages
+    # into the child's high-water mark, and this test process is large
+    launch = ("import os, subprocess, sys\n"
+              "p = subprocess.Popen(sys.argv[1:])\n"
+              "_, status, usage = os.wait4(p.pid, 0)\n"
+              "print(os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024)\n")
+    peaks = {}
+    for n in (8, 40):
+        out = subprocess.run([sys.executable, "-c", launch, sys.executable, "-c", code, str(DATA / "photos" / "calib"),
+                              str(n)], capture_output=True, text=True, check=True).stdout.split()
+        assert out[0] == "0", out
+        peaks[n] = int(out[1])
+    assert peaks[40] <= 400e6, peaks
+    assert peaks[40] / peaks[8] <= 1.10, peaks
