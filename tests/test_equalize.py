@@ -336,3 +336,26 @@ def test_quantized_cpu_layers_gain_from_equalization(mnv2, calibrated, tmp_path,
     assert np.mean(cle["DepthwiseConv2d"]) > np.mean(base["DepthwiseConv2d"]) + 2.0
     conv = base["Conv2D"] + base["DepthwiseConv2d"], cle["Conv2D"] + cle["DepthwiseConv2d"]
     assert np.mean(conv[1]) > np.mean(conv[0]) + 1.5
+
+
+@pytest.mark.unit
+def test_channel_statistics_of_a_model_that_fixes_its_batch_at_one():
+    """A batch of 4 through a graph whose input is fixed at batch 1 (U^2-Net-p's export) runs
+    sample by sample: the statistics equal those of the same four samples fed one at a time."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from maceq.quant.onnx_import import import_onnx
+
+    rng = np.random.default_rng(7)
+    w = rng.normal(0, 1, (3, 2, 1, 1)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="c")], "fixed1",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
+                              [helper.make_empty_tensor_value_info("y")], [numpy_helper.from_array(w, "w")])
+    g = import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    x = rng.normal(0, 1, (4, 2, 4, 4)).astype(np.float32)
+    whole = collect_channel_stats(g, [x])["y"]
+    one_by_one = collect_channel_stats(g, [x[k:k + 1] for k in range(4)])["y"]
+    y = np.einsum("oc,nchw->nohw", w[:, :, 0, 0], x)
+    np.testing.assert_allclose(whole.lo, y.min(axis=(0, 2, 3)), rtol=1e-5)
+    np.testing.assert_array_equal(whole.lo, one_by_one.lo)
+    np.testing.assert_array_equal(whole.hi, one_by_one.hi)

@@ -57,7 +57,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from maceq.calibrate.runner import _feed, expose_outputs, make_session
+from maceq.calibrate.runner import BatchedSession, _feed, expose_outputs, make_session
 from maceq.errors import MaceqError
 from maceq.quant.ir import ACT_ATTR, Graph, Node
 
@@ -633,9 +633,10 @@ def collect_channel_stats(graph: Graph, batches: Iterable[Any], *, input_name: s
         if len(graph.inputs) != 1:
             raise MaceqError(f"graph has {len(graph.inputs)} inputs; name the one to feed")
         input_name = graph.inputs[0].name
+    runner = BatchedSession(sess, input_name)  # a model whose input fixes its batch takes any batch
     out: dict[str, ChannelStats] = {}
     for item in batches:
-        arrays = sess.run(fetch, _feed(item, input_name))
+        arrays = runner.run(fetch, _feed(item, input_name))
         for node, a in zip(nodes, arrays):
             axes = (0,) + tuple(range(2, a.ndim))
             st = ChannelStats(a.min(axis=axes).astype(np.float64), a.max(axis=axes).astype(np.float64))
