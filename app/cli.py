@@ -20,6 +20,7 @@ import numpy as np
 
 from maceq.app.mixed import auto_mixed_precision, holdout_split
 from maceq.app.pipeline import calibrate, correct_bias, quantize
+from maceq.app.weight_grid import check_weight_grid
 from maceq.calibrate.methods import RangeMethod
 from maceq.calibrate.parallel import Executor, check_workers
 from maceq.calibrate.runner import load_onnx
@@ -447,6 +448,7 @@ def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) 
                     progress=not args.quiet, strict=args.strict)
     if config.bias_correction:
         correct_bias(cal, devices, progress=not args.quiet)
+    check_weight_grid(cal, devices)  # warns; the search may exempt what it names
     if args.eval_dir:
         data = ImageFolder(args.eval_dir, pre, labels=args.labels or "auto", classes=extra_meta.get("classes"))
     else:

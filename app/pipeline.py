@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from maceq.app.bias_correction import correct_biases
+from maceq.app.weight_grid import check_weight_grid
 from maceq.calibrate.methods import compute_range
 from maceq.calibrate.parallel import collect_parallel
 from maceq.datasets.images import ImageFolder
@@ -129,5 +130,6 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
                     progress=progress, strict=strict, devices=devices)
     if config.bias_correction:
         correct_bias(cal, devices, progress=progress)
+    grid = check_weight_grid(cal, devices)
     return write_quantized(cal, output_dir=output_dir, model_name=model_name, extra_meta=extra_meta, strict=strict,
-                           devices=devices)
+                           devices=devices, device_meta=grid)

@@ -117,10 +117,11 @@ def check_degenerate(graph: Graph, ranges: dict, placement: dict) -> None:
 def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_name: str | None = None,
                     extra_meta: dict | None = None, strict: bool = False,
                     devices: "tuple[Device | str, ...]" = (Device.CPU,),
-                    fp32_nodes: set[str] | None = None) -> QuantizeResult:
+                    fp32_nodes: set[str] | None = None, device_meta: dict | None = None) -> QuantizeResult:
     """Write one MACE model per device from a calibration (cheap: no image is run again).
 
     ``fp32_nodes``: node names kept in float32, in addition to the config's ``fp32_layers``.
+    ``device_meta``: per device name, extra keys for that device's ``.yml`` ``maceq:`` record.
     One device writes into ``output_dir``; several write one model each into ``output_dir/<device>/``.
     """
     devs = tuple(Device.parse(d) for d in devices)
@@ -149,7 +150,8 @@ def write_quantized(cal: Calibration, *, output_dir: str | os.PathLike, model_na
             deployment={"platform": "onnx", "runtime": device_spec(device).mace_runtime, "subgraphs": [subgraph]},
             ranges=built.ranges,
             maceq={**source, "float_fallback": fallback, "fp32_layers": sorted(fp32), **(extra_meta or {}),
-                   "device": device.value, "tensor_map": built.tensor_map, "recovery": recovery, **forms_meta})
+                   "device": device.value, "tensor_map": built.tensor_map, "recovery": recovery, **forms_meta,
+                   **(device_meta or {}).get(device.value, {})})
         result.recovery[device.value] = recovery
     result.files = result.per_device[devs[0].value]
     return result

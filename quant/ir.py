@@ -90,6 +90,25 @@ def make_onnx_node(op_type: str, inputs, outputs, *, name: str = "", attrs: dict
     return node
 
 
+def onnx_nodes(n: "Node", *, opset: int) -> list[onnx.NodeProto]:
+    """The ONNX node(s) of one IR node: a node with a fused activation (``maceq_act``) becomes the op
+    followed by a Relu (or a Clip with constant bounds) whose output carries the node's output name."""
+    act = n.attrs.get(ACT_ATTR)
+    if act is None:
+        return [make_onnx_node(n.op_type, n.inputs, n.outputs, name=n.name, attrs=n.attrs, opset=opset)]
+    pre = n.outputs[0] + "__maceq_preact"
+    out = [make_onnx_node(n.op_type, n.inputs, [pre], name=n.name + "__maceq_op", attrs=n.attrs, opset=opset)]
+    lo, hi = act
+    if np.isinf(hi) and lo == 0.0:
+        return out + [helper.make_node("Relu", [pre], [n.outputs[0]], name=n.name)]
+    lo_name, hi_name = n.outputs[0] + "__maceq_lo", n.outputs[0] + "__maceq_hi"
+    out.append(helper.make_node("Constant", [], [lo_name], name=lo_name,
+                                value=numpy_helper.from_array(np.array(lo, np.float32))))
+    out.append(helper.make_node("Constant", [], [hi_name], name=hi_name,
+                                value=numpy_helper.from_array(np.array(hi, np.float32))))
+    return out + [helper.make_node("Clip", [pre, lo_name, hi_name], [n.outputs[0]], name=n.name)]
+
+
 @dataclass
 class Node:
     name: str
@@ -209,26 +228,7 @@ class Graph:
         a Clip/Relu whose output carries the node's output name, so the tensor
         that gets a scale is observed after its clamp.
         """
-        onodes = []
-        for n in self.nodes:
-            act = n.attrs.get(ACT_ATTR)
-            if act is None:
-                onodes.append(make_onnx_node(n.op_type, n.inputs, n.outputs, name=n.name, attrs=n.attrs,
-                                             opset=self.opset))
-                continue
-            pre = n.outputs[0] + "__maceq_preact"
-            onodes.append(make_onnx_node(n.op_type, n.inputs, [pre], name=n.name + "__maceq_op", attrs=n.attrs,
-                                         opset=self.opset))
-            lo, hi = act
-            if np.isinf(hi) and lo == 0.0:
-                onodes.append(helper.make_node("Relu", [pre], [n.outputs[0]], name=n.name))
-            else:
-                lo_name, hi_name = n.outputs[0] + "__maceq_lo", n.outputs[0] + "__maceq_hi"
-                onodes.append(helper.make_node("Constant", [], [lo_name], name=lo_name,
-                                               value=numpy_helper.from_array(np.array(lo, np.float32))))
-                onodes.append(helper.make_node("Constant", [], [hi_name], name=hi_name,
-                                               value=numpy_helper.from_array(np.array(hi, np.float32))))
-                onodes.append(helper.make_node("Clip", [pre, lo_name, hi_name], [n.outputs[0]], name=n.name))
+        onodes = [o for n in self.nodes for o in onnx_nodes(n, opset=self.opset)]
         inits = [numpy_helper.from_array(np.asarray(v), k) for k, v in self.initializers.items()]
         ins = []
         for vi in self.inputs:

@@ -402,6 +402,7 @@ def build_report(models: Mapping[str, Any], *, float_model, evals: Mapping[str, 
         "placement": placement,
         "device_paths": {d: _device_paths(models[d], d) for d in devices},
         "float_share": {d: _float_share_dict(models[d], d) for d in devices},
+        "weight_grid": {d: models[d].maceq_meta.get("weight_grid") for d in devices},
         "budget": None,
     }
     report["verdict"] = verdict(report)

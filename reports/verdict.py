@@ -127,6 +127,10 @@ def _advice(report: Mapping, device: str, worst: list[dict]) -> list[str]:
     steps = {str(r.get("step", "")) for r in report.get("recovery") or []}
     method = report["model"].get("range_method")
     tips = []
+    collapsed = (((report.get("weight_grid") or {}).get(device)) or {}).get("collapsed") or []
+    if collapsed:
+        tips.append("keep in float32 what the 8-bit weight grid cannot compute: " + "; ".join(
+            f"--fp32 {c['layer']} (its weights' rounding alone leaves {c['sqnr_db']:.1f} dB)" for c in collapsed))
     if not steps & {"cross-layer equalization", "bias correction"}:
         tips.append("--recipe accurate: cross-layer equalization, mse ranges and bias correction, the "
                     "combination bench/accuracy.py measured best")
