@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 
 from maceq.app.bias_correction import correct_biases
+from maceq.app.consumer_ranges import RANGE_IMAGES, consumer_ranges
 from maceq.app.weight_grid import check_weight_grid
-from maceq.calibrate.methods import compute_range
+from maceq.calibrate.methods import RangeMethod, compute_range
 from maceq.calibrate.parallel import collect_parallel
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import Preprocess
@@ -92,6 +93,16 @@ def calibrate(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, pre
     for t in names:
         method, pct = config.method_for(t)
         ranges[t] = compute_range(stats[t], method, percentile=pct)
+    by_consumers = [t for t in names if config.method_for(t)[0] is RangeMethod.CONSUMER]
+    if by_consumers:
+        chosen, info = consumer_ranges(opt, stats, by_consumers, calib_dir=calib_dir, preprocess=preprocess,
+                                       batch_size=config.batch_size, progress=progress,
+                                       images=min(RANGE_IMAGES, config.max_images or RANGE_IMAGES))
+        ranges.update(chosen)
+        recovery.append({"step": "consumer ranges", **info,
+                         "detail": f"{info['changed']} of {info['scored']} tensors read only by weighted layers "
+                                   f"took another clip range by their consumers' output error on "
+                                   f"{info.get('images', 0)} calibration images"})
     return Calibration(onnx_path, opt, in_shapes, shapes, ranges, len(data) - data.skipped, data.skipped,
                        preprocess, config, calib_dir=Path(calib_dir), recovery=recovery)
 

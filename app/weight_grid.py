@@ -5,8 +5,8 @@ int8 on gpu; quant/scheme.py) changes its output by ``e = f(x; Wq) - f(x; W)``: 
 activation included) applied to its own float input ``x`` with the grid's weights, minus its float
 output. The check measures it exactly, in float, on a few calibration images: one onnxruntime run of
 the float graph with, beside each uint8 layer, its twin on the grid, the difference and the sums of
-squares, so nothing larger than a scalar leaves the session. ``SQNR = 10 log10(sum y^2 / sum e^2)`` with ``y`` the
-layer's float output.
+squares per image, so nothing larger than one number per image leaves the session.
+``SQNR = 10 log10(sum y^2 / sum e^2)`` with ``y`` the layer's float output.
 
 Most layers sit far above 20 dB. A layer below 0 dB has a weight-rounding error larger than its
 output: the typical cause is a layer whose output is a small difference of large terms (a bias and a
@@ -30,7 +30,7 @@ from onnx import helper, numpy_helper
 from maceq.calibrate.runner import BatchedSession, make_session
 from maceq.datasets.images import ImageFolder
 from maceq.quant.build import check_supported, select_nodes
-from maceq.quant.ir import Graph, Node, onnx_nodes
+from maceq.quant.ir import Graph, Node, onnx_nodes, sum_squares_per_sample
 from maceq.quant.scheme import scheme_for
 from maceq.runtime.devices import Device
 
@@ -107,10 +107,10 @@ def _probe_model(g: Graph, layers: dict[Device, list[Node]]):
             twin = Node(tag, n.op_type, [n.inputs[0], tag + "_w", *n.inputs[2:]], [tag + "_y"], dict(n.attrs))
             nodes.extend(onnx_nodes(twin, opset=g.opset))
             nodes.append(helper.make_node("Sub", [tag + "_y", n.outputs[0]], [tag + "_e"]))
-            nodes.append(helper.make_node("ReduceSumSquare", [tag + "_e"], [tag + "_ee"], keepdims=0))
+            nodes.extend(sum_squares_per_sample(tag + "_e", tag + "_ee", opset=g.opset))
             if n.name not in signal:
                 signal[n.name] = f"{n.name}__maceq_grid_yy"
-                nodes.append(helper.make_node("ReduceSumSquare", [n.outputs[0]], [signal[n.name]], keepdims=0))
+                nodes.extend(sum_squares_per_sample(n.outputs[0], signal[n.name], opset=g.opset))
             fetch.append((device, n, signal[n.name], tag + "_ee"))
     for name in dict.fromkeys([f[2] for f in fetch] + [f[3] for f in fetch]):
         model.graph.output.append(helper.make_empty_tensor_value_info(name))

@@ -32,6 +32,9 @@ adjust_range, transcribed in :func:`uint8_grid`) has the least expected squared 
 ``_compute_amax_entropy``) on the ``|x|`` histogram (:func:`abs_histogram`,
 :func:`kl_threshold_index`): threshold ``t``, range ``(max(min, -t), min(max, t))``.
 
+``consumer``: chosen by the error the tensor's consumers compute from it, which needs the graph
+and images (app/consumer_ranges.py); from the statistics alone it is ``mse``.
+
 Both are pure functions of the histogram, so of the merged statistics: independent
 of image order and sharding. docs/calibration.md gives the exact rules and sources.
 
@@ -83,6 +86,8 @@ class RangeMethod(Enum):
     PERCENTILE = "percentile"
     MSE = "mse"
     KL = "kl"
+    #: chosen by the consumers' output error (app/consumer_ranges.py); from statistics alone: mse
+    CONSUMER = "consumer"
 
 
 _PARAMS: dict[RangeMethod, frozenset[str]] = {
@@ -90,6 +95,7 @@ _PARAMS: dict[RangeMethod, frozenset[str]] = {
     RangeMethod.PERCENTILE: frozenset({"percentile", "symmetric"}),
     RangeMethod.MSE: frozenset(),
     RangeMethod.KL: frozenset({"num_quantized_bins"}),
+    RangeMethod.CONSUMER: frozenset(),
 }
 
 
@@ -486,7 +492,7 @@ def compute_range(
     _need_data(stats)
     if method is RangeMethod.MIN_MAX:
         return (float(stats.min), float(stats.max))
-    if method is RangeMethod.MSE:
+    if method in (RangeMethod.MSE, RangeMethod.CONSUMER):  # consumer: refined by app/consumer_ranges.py
         return _mse_range(stats)
     if method is RangeMethod.KL:
         return _kl_range(stats, num_quantized_bins)

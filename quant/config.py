@@ -2,7 +2,7 @@
 
 Example::
 
-    range_method: percentile      # min_max | percentile | mse | kl
+    range_method: percentile      # min_max | percentile | mse | kl | consumer
     percentile: 99.99
     batch_size: 8
     max_images: 500

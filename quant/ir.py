@@ -109,6 +109,18 @@ def onnx_nodes(n: "Node", *, opset: int) -> list[onnx.NodeProto]:
     return out + [helper.make_node("Clip", [pre, lo_name, hi_name], [n.outputs[0]], name=n.name)]
 
 
+def sum_squares_per_sample(src: str, dst: str, *, opset: int) -> list[onnx.NodeProto]:
+    """ONNX nodes writing ``dst`` = the sum of squares of each sample of ``src`` (shape [N]): a
+    per-sample sum keeps its batch dimension, so a session fed in chunks joins it like any output."""
+    flat = dst + "__flat"
+    nodes = [helper.make_node("Flatten", [src], [flat], axis=1)]
+    if opset >= 18:  # axes became an input
+        axes = dst + "__axes"
+        nodes.append(helper.make_node("Constant", [], [axes], value=numpy_helper.from_array(np.array([1], np.int64))))
+        return nodes + [helper.make_node("ReduceSumSquare", [flat, axes], [dst], keepdims=0)]
+    return nodes + [helper.make_node("ReduceSumSquare", [flat], [dst], axes=[1], keepdims=0)]
+
+
 @dataclass
 class Node:
     name: str

@@ -79,7 +79,7 @@ def test_the_gpu_figure_equals_a_hand_computation_on_the_per_channel_int8_grid(c
     e = np.tensordot(wq - W2, chans, axes=1)
     want = 10 * math.log10(np.sum(y * y) / np.sum(e * e))
     got = {r.device.value: r.sqnr_db for r in weight_grid_losses(cal, ("gpu",)) if r.origin == "c2"}["gpu"]
-    assert got == pytest.approx(want, abs=0.05)
+    assert got == pytest.approx(want, abs=0.01)  # every image counted (the model fixes its batch at 1)
 
 
 def test_device_grid_is_what_the_builder_writes():
