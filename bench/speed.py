@@ -1,29 +1,38 @@
 """Speed benchmark: maceq's cpu simulation against onnxruntime float, measured in the same run.
 
     python bench/speed.py [--model ../shared/data/models/mobilenet_v2.onnx] [--images DIR] [--repeat 5]
+                          [--busy N]
 
 Prints, for MobileNetV2 at batch 1 and batch 8, the median (and minimum) latency of
 onnxruntime's float model and of maceq's fixed-point cpu simulation, and their ratio; and the
 calibration throughput in images per second. The target is a simulation within
 4x of onnxruntime's float time.
+
+``--busy N`` starts N busy-loop processes beside the measurement (a busy laptop or CI runner) and
+adds a table of the simulation at batch 1 with its default thread count (which leaves out the
+CPUs other processes keep busy), with one thread, and with every CPU forced: median, min, max and
+the largest swing (max / min) of the repeats.
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from maceq.datasets.preprocess import preprocess_from_args
-from maceq.quant.config import QuantConfig
+from maceq.app.pipeline import quantize
 from maceq.calibrate.runner import collect
 from maceq.datasets.images import ImageFolder
-from maceq.app.pipeline import quantize
+from maceq.datasets.preprocess import preprocess_from_args
+from maceq.quant.config import QuantConfig
 from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
 from maceq.runtime.model import load
 
@@ -41,12 +50,49 @@ def run_times(fn, repeat: int) -> list[float]:
     return times
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def busy_neighbours(n: int):
+    """``n`` processes that keep one CPU each busy until the block ends."""
+    procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(n)]
+    for pr in procs:
+        pr.start()
+    time.sleep(0.5)
+    try:
+        yield
+    finally:
+        for pr in procs:
+            pr.terminate()
+            pr.join()
+
+
+def threads_table(model, name: str, repeat: int) -> None:
+    """Batch-1 simulation times with the default thread count, one thread and every CPU forced."""
+    from maceq.runtime import threads
+
+    x = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    cpus = len(os.sched_getaffinity(0))
+    print(f"{'threads':>22} {'median':>9} {'min':>9} {'max':>9} {'max/min':>8}")
+    for label, n in (("default", None), ("1", 1), (f"{cpus} (forced)", cpus)):
+        threads.limit(n)
+        chosen = threads.current()
+        ts = run_times(lambda: model.run({name: x}, device="cpu"), repeat)
+        print(f"{label + f' (ran {chosen})':>22} {1000 * statistics.median(ts):>7.1f}ms {1000 * min(ts):>7.1f}ms "
+              f"{1000 * max(ts):>7.1f}ms {max(ts) / min(ts):>7.1f}x")
+    threads.limit(None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(SHARED / "models" / "mobilenet_v2.onnx"))
     p.add_argument("--images", default=str(SHARED / "photos" / "calib"))
     p.add_argument("--calib-images", type=int, default=32)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--busy", type=int, default=0, help="busy-loop processes beside the thread-count table")
     args = p.parse_args(argv)
     pre = preprocess_from_args("imagenet")
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,7 +122,8 @@ def main(argv=None) -> int:
 
     path = ("compiled, BLAS called from the compiled blocks" if jit.gemm_available()
             else "compiled requantization, numpy GEMM" if jit.available() else "numpy only (MACEQ_NO_JIT)")
-    print(f"threads: maceq {threads.current()} (MACEQ_NUM_THREADS; kernels: {path}), onnxruntime its default")
+    print(f"threads: maceq {threads.current()} now (MACEQ_NUM_THREADS, else the CPUs other processes leave free; "
+          f"kernels: {path}), onnxruntime its default")
     print("median (min) of the repeats; on a shared machine the min is the steadier number")
     print(f"{'batch':>5} {'onnxruntime fp32':>24} {'maceq cpu sim':>24} {'ratio':>15}")
     for batch in (1, 8):
@@ -87,6 +134,10 @@ def main(argv=None) -> int:
         min_o, min_s = min(t_ort), min(t_sim)
         print(f"{batch:>5} {1000 * med_o:>9.1f} ({1000 * min_o:>6.1f}) ms "
               f"{1000 * med_s:>10.1f} ({1000 * min_s:>6.1f}) ms {med_s / med_o:>6.2f}x ({min_s / min_o:.2f}x)")
+    if args.busy:
+        print(f"with {args.busy} busy-loop neighbour(s), batch 1, {args.repeat} repeats:")
+        with busy_neighbours(args.busy):
+            threads_table(model, name, args.repeat)
     return 0
 
 

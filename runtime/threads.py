@@ -7,8 +7,9 @@ element is computed by one block, by the same code, and every GEMM is exact
 (tests/test_threads.py runs whole models with 1, 2 and 3 threads and compares every tensor).
 
 - The number: ``MACEQ_NUM_THREADS`` if set, else the CPUs this process may run on (capped by
-  numba's own limit, ``NUMBA_NUM_THREADS``). :func:`limit` overrides it for the process;
-  parallel calibration's worker processes use ``limit(1)``.
+  numba's own limit, ``NUMBA_NUM_THREADS``), less those other processes keep busy when the run
+  starts (:func:`current`). :func:`limit` overrides it for the process; parallel calibration's
+  worker processes use ``limit(1)``.
 - :func:`section` wraps one model run: numba's pool gets that many threads. From the run's first
   compiled convolution on (:func:`blas_held`) BLAS is held to one thread (threadpoolctl), because
   the blocks call it themselves and two pools of spinning threads on the same cores were measured
@@ -34,7 +35,7 @@ try:  # numba is a declared dependency; without it the numpy paths run on one th
 except ImportError:  # pragma: no cover
     numba = None
 
-__all__ = ["default_threads", "limit", "current", "section", "blas_held"]
+__all__ = ["default_threads", "limit", "current", "busy_cpus", "section", "blas_held"]
 
 _LIMIT: int | None = None
 _LOCK = threading.Lock()
@@ -72,9 +73,39 @@ def limit(threads: int | None) -> None:
     _LIMIT = threads
 
 
+def busy_cpus() -> int | None:
+    """Tasks of other processes running or ready to run right now: the kernel's running count
+    (/proc/loadavg's fourth field) minus this process's own running threads; None without /proc."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+        own = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # the thread ended meanwhile
+                continue
+            own += stat[stat.rindex(")") + 2] == "R"
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, running - own)
+
+
 def current() -> int:
-    """The number of threads the kernels use now."""
-    return max(1, min(_LIMIT if _LIMIT is not None else default_threads(), _numba_max()))
+    """The number of threads the kernels use now: an explicit count (:func:`limit`,
+    ``MACEQ_NUM_THREADS``) as given; the default, less the CPUs other processes keep busy at this
+    moment (:func:`busy_cpus`), at least one. A parallel block waits for its slowest thread, so a
+    thread that shares its core with another process's makes the whole run wait for the scheduler:
+    on 2 vCPUs beside other jobs, 2 threads were measured 5-25x slower than 1."""
+    if _LIMIT is not None:
+        return max(1, min(_LIMIT, _numba_max()))
+    n = default_threads()
+    if n > 1 and not os.environ.get("MACEQ_NUM_THREADS", "").strip():
+        busy = busy_cpus()
+        if busy:
+            n = max(1, n - busy)
+    return n
 
 
 @contextmanager

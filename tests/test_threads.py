@@ -9,15 +9,19 @@
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 from numba import njit, prange
 
+from maceq.app.pipeline import quantize
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
-from maceq.app.pipeline import quantize
 from maceq.runtime import threads
 from maceq.runtime.kernels import blas, jit
 from maceq.runtime.model import load
@@ -103,6 +107,35 @@ def test_thread_settings(monkeypatch):
         assert threads.current() == 1
     finally:
         threads.limit(None)
+
+
+def test_the_default_leaves_out_the_cpus_other_processes_keep_busy(monkeypatch):
+    monkeypatch.delenv("MACEQ_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "default_threads", lambda: 4)
+    for busy, want in ((None, 4), (0, 4), (1, 3), (3, 1), (9, 1)):
+        monkeypatch.setattr(threads, "busy_cpus", lambda busy=busy: busy)
+        assert threads.current() == want
+    threads.limit(2)  # an explicit count is kept however busy the machine is
+    try:
+        assert threads.current() == 2
+    finally:
+        threads.limit(None)
+    monkeypatch.setenv("MACEQ_NUM_THREADS", "4")  # an explicit MACEQ_NUM_THREADS too (default_threads reads it)
+    monkeypatch.setattr(threads, "busy_cpus", lambda: 9)
+    assert threads.current() == 4
+
+
+def test_busy_cpus_counts_a_busy_loop_neighbour_and_not_this_process():
+    base = threads.busy_cpus()
+    assert base is not None and base >= 0
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        seen = [threads.busy_cpus() for _ in range(20)]
+    finally:
+        spin.kill()
+        spin.wait()
+    assert min(seen) >= 1  # the spinning process is always running or ready to run
 
 
 def test_a_run_restores_blas_threads(mnv2):
