@@ -86,6 +86,65 @@ def _fast_round(f: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(f.astype(np.float64)), r.INT32_MIN, r.INT32_MAX).astype(np.int64)
 
 
+def _minout(bias, bias_min, bias_max, sc: "r.D32Scaling", out_min: float, n: int) -> np.ndarray:
+    """fill_bias_buf's ``minout = f32(f32(b*ratio) + (-out_min/prod))`` for ``n`` words (``b = 0``
+    past the bias): float32 array operations, each the correctly rounded binary32 operation the
+    scalar steps of nnlib_ref compute (a binary32 sum or product is exact in binary64 before its
+    one rounding)."""
+    bias_level = r.fdiv(r.fsub(r.f32(bias_max), r.f32(bias_min)), 4294967296.0)
+    ratio = np.float32(r.fdiv(bias_level, sc.prod_level_size))
+    offset = np.float32(r.fdiv(-out_min, sc.prod_level_size))
+    b = np.zeros(n, dtype=np.int64)
+    k = min(len(bias), n)
+    b[:k] = np.asarray(bias, dtype=np.int64).reshape(-1)[:k]
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _i2f(b) * ratio + offset
+
+
+def fill_bias_buf(bias, bias_min, bias_max, sc: "r.D32Scaling", out_min: float, gemsumb) -> np.ndarray:
+    """``nnlib_ref.fill_bias_buf``, vectorised: ``fast_i64_roundf(minout - (float)(int32)(gemsumb*in_offset))``."""
+    g = np.asarray(gemsumb, dtype=np.int64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = _minout(bias, bias_min, bias_max, sc, out_min, g.size) - _i2f(_wrap32(g * sc.in_offset))
+    if np.isnan(d).any():
+        raise MaceqError("nnlib: float-to-int conversion of NaN")
+    final = np.rint(d.astype(np.float64))
+    if not np.all((final >= r.INT32_MIN) & (final <= r.INT32_MAX)):
+        raise MaceqError("nnlib supernode: bias word out of int32 range ('Final too big, will cause overflow')")
+    return final.astype(np.int64)
+
+
+def superfc_fill_bias_buf(bias, bias_min, bias_max, sc: "r.D32Scaling", out_min: float, gemsumb) -> np.ndarray:
+    """``nnlib_ref.superfc_fill_bias_buf``, vectorised: ``gemsumb*in_offset + fast_roundf(minout)`` in int32."""
+    g = np.asarray(gemsumb, dtype=np.int64)
+    return _wrap32(g * sc.in_offset + _fast_round(_minout(bias, bias_min, bias_max, sc, out_min, g.size)))
+
+
+def padded_gemsumb(w, filt_offset: int, dpad: int) -> np.ndarray:
+    """``nnlib_ref._padded_gemsumb``, vectorised: per filter the sum of its bytes, depth padded to
+    ``dpad`` and filters to a multiple of 32, all padding ``filt_offset``."""
+    kh, kw, c, o = w.shape
+    sums = np.asarray(w, dtype=np.int64).sum(axis=(0, 1, 2)) + kh * kw * (dpad - c) * filt_offset
+    pad = np.full(((o + 31) & ~31) - o, kh * kw * dpad * filt_offset, dtype=np.int64)
+    return np.concatenate([sums, pad])
+
+
+def dwise_gemsumb(w, filt_offset: int) -> np.ndarray:
+    """``nnlib_ref.dwise_gemsumb``, vectorised: per channel the tap sum less ``KH*KW*filt_offset``;
+    the channels padded to 32 sum ``filt_offset`` over the real taps."""
+    kh, kw, c, _ = w.shape
+    sums = np.asarray(w[:, :, :, 0], dtype=np.int64).sum(axis=(0, 1)) - filt_offset * kh * kw
+    pad = np.zeros(((c + 31) & ~31) - c, dtype=np.int64)  # filt_offset*KH*KW - KH*KW*filt_offset
+    return np.concatenate([sums, pad])
+
+
+def superfc_gemsumb(w, filt_offset: int) -> np.ndarray:
+    """``nnlib_ref.superfc_gemsumb``, vectorised: ``K*filt_offset - sum(w)`` per filter, 0 past them."""
+    k, o = w.shape
+    sums = k * filt_offset - np.asarray(w, dtype=np.int64).sum(axis=0)
+    return np.concatenate([sums, np.zeros(((o + 31) & ~31) - o, dtype=np.int64)])
+
+
 def _roundf_i32(f: np.ndarray) -> np.ndarray:
     """roundf_i32: (int)(f + copysignf(0.5f, f)) with a float32 add."""
     f = np.asarray(f, dtype=np.float32)
@@ -251,16 +310,24 @@ def _conv_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray
 
     float64 GEMM is exact: each term < 2^16, so sums stay below 2^53 for K < 2^37.
     """
-    kh, kw, _, _ = w.shape
+    kh, kw, c, o = w.shape
+    wz = w.astype(np.float64) - w_offset
+    if (kh, kw) == (1, 1) and tuple(before) == (0, 0) and tuple(out_hw) == x.shape[1:3] and tuple(strides) == (1, 1):
+        acc = (x.reshape(-1, c).astype(np.float64) - in_offset) @ wz.reshape(c, o)  # a pointwise conv: one GEMM
+        return _wrap32(acc.astype(np.int64)).reshape(*x.shape[:3], o)
     win = _windows(x, in_offset, (kh, kw), strides, before, out_hw)
-    acc = np.einsum("nhwcij,ijco->nhwo", win, w.astype(np.float64) - w_offset, optimize=True)
+    acc = np.einsum("nhwcij,ijco->nhwo", win, wz, optimize=True)
     return _wrap32(acc.astype(np.int64))
 
 
 def _dw_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray:
     kh, kw = w.shape[:2]
     win = _windows(x, in_offset, (kh, kw), strides, before, out_hw)
-    acc = np.einsum("nhwcij,ijc->nhwc", win, w[:, :, :, 0].astype(np.float64) - w_offset, optimize=True)
+    wz = w[:, :, :, 0].astype(np.float64) - w_offset
+    acc = np.zeros(win.shape[:4], dtype=np.float64)
+    for i in range(kh):  # tap by tap: exact (every partial sum is an integer below 2^53)
+        for j in range(kw):
+            acc += win[..., i, j] * wz[i, j]
     return _wrap32(acc.astype(np.int64))
 
 
@@ -418,10 +485,12 @@ def _supernode_d32(x, w, bias, node, strides, before, out_hw, **kw):
     if node is r.INPUT_SUPERNODE and out_hw[1] % 4:
         ext = (out_hw[0], (out_hw[1] + 3) & ~3)  # InputSupernode computes the width rounded to 4
         junk = lambda io: _conv_sums(x, w, io, filt_offset, strides, before, ext)[:, :, out_hw[1]:].reshape(-1, o)
-    gemsumb = (r.shortin_gemsumb if node is r.INPUT_SUPERNODE else r.supernode_d32_gemsumb)(w, filt_offset)
+    dpad = (w.shape[2] + 3) & ~3 if node is r.INPUT_SUPERNODE else (w.shape[2] + 31) & ~31
+    gemsumb = padded_gemsumb(w, filt_offset, dpad)
     return r.d32_execute(
         node=node, out_min=kw["out_min"], out_max=kw["out_max"], x_min=kw["x_min"], x_max=kw["x_max"],
         weights_level=filt_level, bias=bias, bias_min=kw["bias_min"], bias_max=kw["bias_max"], gemsumb=gemsumb,
+        fill=fill_bias_buf,
         kernel=_d32_kernel(o, gemsumb, lambda io: _conv_sums(x, w, io, filt_offset, strides, before, out_hw), junk))
 
 
@@ -459,8 +528,9 @@ def depthwise_supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bia
     mode = _resolve_padding(padding, (h, wd), (kh, kw), strides)
     oh, ow, bh, bw = r._geometry((h, wd), (kh, kw), strides, mode, op="DepthwiseSupernode")
     filt_offset = r.quantize_uint8(0.0, r.f32(w_min), r.f32(w_max))
-    gemsumb = r.dwise_gemsumb(w, filt_offset)
+    gemsumb = dwise_gemsumb(w, filt_offset)
     return r.d32_execute(node=r.DEPTHWISE_D32, out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max,
+                         fill=fill_bias_buf,
                          weights_level=r.fdiv(r.fsub(r.f32(w_max), r.f32(w_min)), r.fmul(255.0, 1.0)),
                          bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=gemsumb,
                          kernel=_d32_kernel(
@@ -491,7 +561,7 @@ def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_m
     if not ok:
         raise MaceqError(f"dsp SuperFC: {why}")
     fo, filt_level = r.get_qu8_level_size_zero(r.f32(w_min), r.f32(w_max))
-    g = np.asarray(r.superfc_gemsumb(w, fo), dtype=np.int64)
+    g = superfc_gemsumb(w, fo)
     o = w.shape[1]
     cache = {}
 
@@ -504,7 +574,8 @@ def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_m
         return y, min(0, vmin, lo), max(0, vmax, hi)
 
     return r.superfc_execute(out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max, filt_level=filt_level,
-                             bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=list(map(int, g)), kernel=kernel)
+                             bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=g, kernel=kernel,
+                             fill=superfc_fill_bias_buf)
 
 
 def _superfc_ref(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min, out_max):

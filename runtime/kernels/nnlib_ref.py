@@ -792,17 +792,19 @@ def d32_check_for_retry(st: D32RangeState, sc: D32Scaling, minval: int, maxval: 
 
 
 def d32_execute(*, node: D32Node, out_min, out_max, x_min, x_max, weights_level: float, bias, bias_min, bias_max,
-                gemsumb, kernel):
+                gemsumb, kernel, fill=None):
     """The d32 execute loop: (fill_info_minmax_basics, fill_bias_buf, execute, check for retry).
 
     ``kernel(sc, biasbuf) -> (y, vmin, vmax)`` computes the outputs and the min / max of the
     unclamped requantized values over everything the HVX kernel computes (real outputs and
-    the discarded ones). ``node`` sets the open-range start and the pass limit.
+    the discarded ones). ``node`` sets the open-range start and the pass limit. ``fill``: a
+    function equal to :func:`fill_bias_buf` (the default), e.g. its vectorised form.
     """
+    fill = fill or fill_bias_buf
     st = setup_initial_output_range(out_min, out_max, node)
     for _ in range(node.passes):
         sc = fill_info_minmax_basics(st, x_min, x_max, weights_level)
-        biasbuf = fill_bias_buf(bias, bias_min, bias_max, sc, st.out_min, gemsumb)
+        biasbuf = fill(bias, bias_min, bias_max, sc, st.out_min, gemsumb)
         y, vmin, vmax = kernel(sc, biasbuf)
         if not d32_check_for_retry(st, sc, vmin, vmax):
             return y, st.out_min, st.out_max
@@ -1188,14 +1190,17 @@ def superfc_check_for_retry(st: D32RangeState, sc: D32Scaling, minval: int, maxv
     return recalc
 
 
-def superfc_execute(*, out_min, out_max, x_min, x_max, filt_level, bias, bias_min, bias_max, gemsumb, kernel):
+def superfc_execute(*, out_min, out_max, x_min, x_max, filt_level, bias, bias_min, bias_max, gemsumb, kernel,
+                    fill=None):
     """superfc_execute_hvx: (fill_info, fill_bias_buf, execute, check for retry) up to 5 passes;
     after the fifth the outputs stand with the moved range ("Extreme recursion" is only logged).
-    ``kernel(sc, biasbuf) -> (y, vmin, vmax)``."""
+    ``kernel(sc, biasbuf) -> (y, vmin, vmax)``; ``fill``: equal to :func:`superfc_fill_bias_buf`
+    (the default)."""
+    fill = fill or superfc_fill_bias_buf
     st = setup_initial_output_range(out_min, out_max, SUPERFC)
     for _ in range(SUPERFC.passes):
         sc = superfc_fill_info(st, x_min, x_max, filt_level)
-        biasbuf = superfc_fill_bias_buf(bias, bias_min, bias_max, sc, st.out_min, gemsumb)
+        biasbuf = fill(bias, bias_min, bias_max, sc, st.out_min, gemsumb)
         y, vmin, vmax = kernel(sc, biasbuf)
         if not superfc_check_for_retry(st, sc, vmin, vmax):
             break
