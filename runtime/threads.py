@@ -11,7 +11,8 @@ element is computed by one block, by the same code, and every GEMM is exact
   starts (:func:`current`). :func:`limit` overrides it for the process; parallel calibration's
   worker processes use ``limit(1)``.
 - :func:`section` wraps one model run: numba's pool gets that many threads. From the run's first
-  compiled convolution on (:func:`blas_held`) BLAS is held to one thread (threadpoolctl), because
+  compiled convolution on (:func:`blas_held`), or from its start when it has one thread, BLAS is
+  held to one thread (threadpoolctl), because
   the blocks call it themselves and two pools of spinning threads on the same cores were measured
   20x slower on a busy machine. Nested and concurrent sections share one BLAS limit, restored
   when the last one ends.
@@ -113,7 +114,8 @@ def section(threads: int | None = None):
     """One model run: numba's pool sized to ``threads`` (default :func:`current`). BLAS is held to one
     thread from the first compiled convolution of the run (:func:`blas_held`) to the run's end, so
     runs without one (the gpu and dsp devices' own kernels, which call BLAS from numpy) keep BLAS's
-    threads."""
+    threads, unless the run has one thread (asked for, or the rest busy: BLAS's spinning threads
+    on shared cores made the gpu's GEMMs 2-4x slower)."""
     global _DEPTH, _BLAS_CTX
     n = current() if threads is None else threads
     if not isinstance(n, int) or n < 1:
@@ -126,6 +128,9 @@ def section(threads: int | None = None):
     numba.set_num_threads(n)  # per calling thread in numba
     with _LOCK:
         _DEPTH += 1
+        if n == 1 and _BLAS_CTX is None:  # one thread: BLAS too, for the gpu and dsp kernels' GEMMs
+            _BLAS_CTX = blas.single_threaded()
+            _BLAS_CTX.__enter__()
     try:
         yield n
     finally:

@@ -157,3 +157,9 @@ def test_a_run_restores_blas_threads(mnv2):
     # held from the first compiled convolution to the end of the run, not before it
     assert seen[:first_conv + 1] == [before] * (first_conv + 1) and set(seen[first_conv + 1:]) == {1}
     assert numpy_blas_threads() == before
+    # a run on one thread holds BLAS to one thread from its start (threads.section, whatever the device:
+    # the gpu and dsp kernels' numpy GEMMs too)
+    seen.clear()
+    model.run({"input": x[:1]}, threads=1, before_op=lambda i, op, ins: seen.append(numpy_blas_threads()) and False)
+    assert seen[:first_conv + 1] == [1] * (first_conv + 1) and set(seen) == {1}
+    assert numpy_blas_threads() == before
