@@ -15,7 +15,8 @@ that kernel tap ``(ky, kx)`` of input channel ``i`` reads (zero where it reads p
 so ``sum W * m + b`` is exactly the mean pre-activation output of the convolution, padding
 and strides included; ``m`` comes from the float graph in onnxruntime, ``m_q`` from the
 device's fixed-point simulation of the quantized model (the dequantized input codes), and
-``W_q`` is ``W`` quantized and dequantized by the device's scheme (quant/scheme.py). The
+``W_q`` is ``W`` quantized and dequantized by the device's scheme (quant/scheme.py; AdaRound's
+weights when it ran before, app/adaround.py). The
 requantization rounding of the output is not in the shift: it has mean about zero.
 
 The correction of a layer changes what every later layer receives, so the layers are corrected
@@ -118,30 +119,45 @@ def dequantized_weights(layer: _Layer, device: Device, in_channels: int | None =
 
 def _quantized_weights(layer: _Layer, device: Device, in_channels: int | None = None):
     """(QuantizedWeights in the MACE layout, ``W_q`` dequantized in IR layout)."""
-    scheme = scheme_for(device)
-    w = layer.w
-    depthwise = layer.kind == "conv" and layer.group > 1 and w.shape[1] == 1 and layer.group == in_channels
-    if layer.kind == "gemm":
-        w_mace = w.reshape(w.shape[0], 1, 1, w.shape[1])
-    elif depthwise:
-        o, _, kh, kw = w.shape
-        w_mace = w.reshape(layer.group, o // layer.group, kh, kw).transpose(2, 3, 0, 1)  # [KH, KW, C, M]
-    else:
-        w_mace = w.transpose(0, 2, 3, 1)  # OHWI
-    qw = scheme.weights(w_mace.astype(np.float32), out_axis_last_two=depthwise)
+    w_mace, depthwise = mace_layout(layer, in_channels)
+    qw = scheme_for(device).weights(w_mace.astype(np.float32), out_axis_last_two=depthwise)
     codes = qw.codes.astype(np.float64)
     if qw.params is not None:
         deq = (codes - qw.params.zero_point) * float(np.float32(qw.params.scale))
-    elif depthwise:
-        deq = codes * qw.channel_scales.astype(np.float64).reshape(codes.shape[2], codes.shape[3])
     else:
-        deq = codes * qw.channel_scales.astype(np.float64).reshape((-1,) + (1,) * (codes.ndim - 1))
+        deq = codes * channel_scales(qw, codes.shape, depthwise)
+    return qw, ir_layout(deq, layer, depthwise)
+
+
+def mace_layout(layer: _Layer, in_channels: int | None = None) -> tuple[np.ndarray, bool]:
+    """(the layer's weights in the layout the builder quantizes them in, whether it is depthwise):
+    FullyConnected [O, 1, 1, K], DepthwiseConv2d [KH, KW, C, M], Conv2D OHWI (quant/build.py)."""
+    w = layer.w
+    depthwise = layer.kind == "conv" and layer.group > 1 and w.shape[1] == 1 and layer.group == in_channels
     if layer.kind == "gemm":
-        return qw, deq.reshape(w.shape)
+        return w.reshape(w.shape[0], 1, 1, w.shape[1]), False
     if depthwise:
-        kh, kw, c, m = deq.shape
-        return qw, deq.transpose(2, 3, 0, 1).reshape(c * m, 1, kh, kw)
-    return qw, deq.transpose(0, 3, 1, 2)
+        o, _, kh, kw = w.shape
+        return w.reshape(layer.group, o // layer.group, kh, kw).transpose(2, 3, 0, 1), True
+    return w.transpose(0, 2, 3, 1), False
+
+
+def ir_layout(arr: np.ndarray, layer: _Layer, depthwise: bool) -> np.ndarray:
+    """An array in :func:`mace_layout`'s layout back in the IR layout of ``layer.w``."""
+    if layer.kind == "gemm":
+        return arr.reshape(layer.w.shape)
+    if depthwise:  # [KH, KW, C, M]
+        kh, kw, c, m = arr.shape
+        return arr.transpose(2, 3, 0, 1).reshape(c * m, 1, kh, kw)
+    return arr.transpose(0, 3, 1, 2)
+
+
+def channel_scales(qw, shape, depthwise: bool) -> np.ndarray:
+    """A per-channel scheme's float32 channel scales, as float64, broadcastable to the MACE-layout ``shape``."""
+    s = qw.channel_scales.astype(np.float64)
+    if depthwise:
+        return s.reshape(shape[2], shape[3])
+    return s.reshape((-1,) + (1,) * (len(shape) - 1))
 
 
 def tap_means(x: np.ndarray, layer: _Layer, kh: int, kw: int) -> np.ndarray:
@@ -238,6 +254,8 @@ def correct_biases(cal, *, device: "Device | str", data, fp32_nodes: frozenset[s
     result = BiasCorrection(device)
     if not layers:
         return result
+    # W_q comes from the weights the device's model is written with (AdaRound's, when it ran)
+    rounded = {lay.node: lay for lay in _layers(cal.weights_for(device.value, fp32), placement)}
     scheme = scheme_for(device)
     ksz = {lay.node: (lay.w.shape[2], lay.w.shape[3]) if lay.kind == "conv" else (1, 1) for lay in layers}
     f_sums, f_counts, n_img = _float_sums(cal, layers, data.iter_batches(batch_size), ksz)
@@ -278,7 +296,7 @@ def correct_biases(cal, *, device: "Device | str", data, fp32_nodes: frozenset[s
         v = v.reshape((v.shape[0],) + tuple(shape[1:])) if lay.kind == "conv" else v.reshape(v.shape[0], -1)
         kh, kw = ksz[lay.node]
         m_q = tap_means(v, lay, kh, kw) / (v.shape[0] * _positions(v.shape, lay, kh, kw))
-        qw, w_deq = _quantized_weights(lay, device, shape[1] if len(shape) > 1 else None)
+        qw, w_deq = _quantized_weights(rounded[lay.node], device, shape[1] if len(shape) > 1 else None)
         shift = _mean_output(w_deq, m_q, lay) - f_mean[lay.node]
         b_new = (lay.b - shift).astype(np.float32)
         biases[lay.node] = b_new

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from maceq.app.mixed import auto_mixed_precision, holdout_split
-from maceq.app.pipeline import calibrate, correct_bias, quantize
+from maceq.app.pipeline import calibrate, quantize, recover_per_device
 from maceq.app.weight_grid import check_weight_grid
 from maceq.calibrate.methods import RangeMethod
 from maceq.calibrate.parallel import Executor, check_workers
@@ -222,6 +222,12 @@ def _add_recovery_args(p: argparse.ArgumentParser) -> None:
                    help="empirical bias correction per device, on calibration images")
     r.add_argument("--bias-correction-images", type=int, metavar="N",
                    help="calibration images the bias correction measures on (default 32)")
+    r.add_argument("--adaround", action=argparse.BooleanOptionalAction, default=None,
+                   help="adaptive weight rounding per device, on calibration images (docs/adaround.md)")
+    r.add_argument("--adaround-images", type=int, metavar="N",
+                   help="calibration images AdaRound collects layer inputs from (default 64)")
+    r.add_argument("--adaround-iters", type=int, metavar="N", help="AdaRound's optimisation steps per layer "
+                   "(default 500)")
 
 
 def _add_eval_workers(p: argparse.ArgumentParser) -> None:
@@ -347,9 +353,14 @@ def _quantize_config(args) -> QuantConfig:
                              percentile=args.percentile, batch_size=args.batch_size, max_images=args.max_images)
     if args.bias_correction_images is not None and args.bias_correction_images < 1:
         raise MaceqError("--bias-correction-images must be >= 1")
+    for flag, value in (("--adaround-images", args.adaround_images), ("--adaround-iters", args.adaround_iters)):
+        if value is not None and value < 1:
+            raise MaceqError(f"{flag} must be >= 1")
     config = config.with_cli(cle=args.cle, high_bias_absorption=args.high_bias_absorption,
                              bias_correction=args.bias_correction,
-                             bias_correction_images=args.bias_correction_images, safe_forms=args.safe_forms)
+                             bias_correction_images=args.bias_correction_images, safe_forms=args.safe_forms,
+                             adaround=args.adaround, adaround_images=args.adaround_images,
+                             adaround_iters=args.adaround_iters)
     config = config.with_recipe(args.recipe)
     if args.fp32:
         config = config.with_cli(fp32_layers=tuple(config.fp32_layers) + tuple(args.fp32))
@@ -446,8 +457,7 @@ def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) 
         raise MaceqError("--accuracy-budget must be >= 0")
     cal = calibrate(args.model, args.calib_dir, preprocess=pre, config=config, input_shape=input_shape,
                     progress=not args.quiet, strict=args.strict)
-    if config.bias_correction:
-        correct_bias(cal, devices, progress=not args.quiet)
+    recover_per_device(cal, devices, progress=not args.quiet)
     check_weight_grid(cal, devices)  # warns; the search may exempt what it names
     if args.eval_dir:
         data = ImageFolder(args.eval_dir, pre, labels=args.labels or "auto", classes=extra_meta.get("classes"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from maceq.app.adaround import adaround, check_options
 from maceq.app.bias_correction import correct_biases
 from maceq.app.consumer_ranges import RANGE_IMAGES, consumer_ranges
 from maceq.app.weight_grid import check_weight_grid
@@ -24,7 +25,8 @@ from maceq.quant.passes.equalize import collect_channel_stats, equalize
 from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
 from maceq.runtime.devices import Device
 
-__all__ = ["Calibration", "QuantizeResult", "calibrate", "correct_bias", "quantize", "write_quantized"]
+__all__ = ["Calibration", "QuantizeResult", "calibrate", "correct_bias", "quantize", "recover_per_device",
+           "round_weights", "write_quantized"]
 
 
 def _equalize(opt: Graph, config: QuantConfig, *, data: ImageFolder, in_name: str, progress: bool):
@@ -120,11 +122,50 @@ def correct_bias(cal: Calibration, devices: "tuple[Device | str, ...]", *, progr
                             batch_size=cal.config.batch_size, progress=progress)
         cal.device_biases[device.value] = bc.biases
         d = bc.to_dict()
-        cal.device_recovery[device.value] = [{
+        _record(cal, device, {
             "step": "bias correction",
             "detail": f"{d['layers']} layers corrected on {d['images']} calibration images (mean |shift| "
                       f"{d['mean_abs_shift']:.3g}, largest layer mean {d['max_layer_shift']:.3g})",
-            **d}]
+            **d})
+
+
+def _record(cal: Calibration, device: Device, step: dict) -> None:
+    """Add (or replace) one per-device recovery step of ``cal``, keeping the others in order."""
+    steps = [s for s in cal.device_recovery.get(device.value, []) if s["step"] != step["step"]]
+    cal.device_recovery[device.value] = steps + [step]
+
+
+def round_weights(cal: Calibration, devices: "tuple[Device | str, ...]", *, progress: bool = True,
+                  fp32_nodes: set[str] | frozenset = frozenset()) -> None:
+    """AdaRound (app/adaround.py) of ``cal``'s uint8 layers for each device, in place: fills
+    ``cal.device_weights`` and ``cal.device_recovery``. Needs ``cal.calib_dir``."""
+    if cal.calib_dir is None:
+        raise MaceqError("adaround needs the calibration images (Calibration.calib_dir)")
+    data = ImageFolder(cal.calib_dir, cal.preprocess, labels=None, limit=cal.config.adaround_images)
+    fp32 = select_nodes(cal.graph, cal.config.fp32_layers) | set(fp32_nodes)
+    results = adaround(cal.graph, cal.shapes, devices=devices, data=data, fp32_nodes=frozenset(fp32),
+                       iters=cal.config.adaround_iters, batch_size=cal.config.batch_size, progress=progress)
+    for dev, res in results.items():
+        cal.device_weights[dev] = res.weights
+        d = res.to_dict()
+        skipped = f"; skipped: {', '.join(s['node'] for s in d['skipped'])}" if d["skipped"] else ""
+        _record(cal, Device.parse(dev), {
+            "step": "adaround",
+            "detail": f"{d['layers']} layers rounded on {d['images']} calibration images, "
+                      f"{d['changed_weights']} of {d['weights']} weights away from the nearest code (mean layer "
+                      f"SQNR from the weights {d['mean_layer_sqnr_nearest_db']:.2f} -> "
+                      f"{d['mean_layer_sqnr_adaround_db']:.2f} dB){skipped}",
+            **d})
+
+
+def recover_per_device(cal: Calibration, devices: "tuple[Device | str, ...]", *, progress: bool = True,
+                       fp32_nodes: set[str] | frozenset = frozenset()) -> None:
+    """The per-device recovery steps the config asks for, in order: AdaRound, then bias correction
+    (which measures the model with the rounded weights)."""
+    if cal.config.adaround:
+        round_weights(cal, devices, progress=progress, fp32_nodes=fp32_nodes)
+    if cal.config.bias_correction:
+        correct_bias(cal, devices, progress=progress, fp32_nodes=fp32_nodes)
 
 
 def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, output_dir: str | os.PathLike,
@@ -137,10 +178,11 @@ def quantize(onnx_path: str | os.PathLike, calib_dir: str | os.PathLike, *, outp
     ``result.files`` is the first device's; ``result.per_device`` has them all.
     """
     devices = tuple(Device.parse(d) for d in devices)
+    if config.adaround:
+        check_options(iters=config.adaround_iters, images=config.adaround_images)
     cal = calibrate(onnx_path, calib_dir, preprocess=preprocess, config=config, input_shape=input_shape,
                     progress=progress, strict=strict, devices=devices)
-    if config.bias_correction:
-        correct_bias(cal, devices, progress=progress)
+    recover_per_device(cal, devices, progress=progress)
     grid = check_weight_grid(cal, devices)
     return write_quantized(cal, output_dir=output_dir, model_name=model_name, extra_meta=extra_meta, strict=strict,
                            devices=devices, device_meta=grid)

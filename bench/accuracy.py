@@ -3,7 +3,8 @@
     python bench/accuracy.py [--models mobilenet_v2,efficientnet_lite0,fmnist] [--devices cpu,dsp,gpu]
                              [--rows 0,4,ort] [--calib-images 64] [--json out.json]
 
-maceq rows (0-4): each adds one technique to the row above; the last one is ``--recipe accurate``.
+maceq rows (0-4): each adds one technique to the row above (the last adds bias correction and AdaRound); the
+last one is ``--recipe accurate``.
 Calibration runs once per row and model; the devices share it (bias correction is per device).
 
 onnxruntime rows (5-8): ``onnxruntime.quantization.quantize_static`` on the same calibration images, read
@@ -39,7 +40,7 @@ from tempfile import TemporaryDirectory
 
 import numpy as np
 
-from maceq.app.pipeline import calibrate, correct_bias, write_quantized
+from maceq.app.pipeline import calibrate, recover_per_device, write_quantized
 from maceq.calibrate.methods import RangeMethod
 from maceq.calibrate.runner import BatchedSession, make_session
 from maceq.datasets.images import ImageFolder
@@ -94,7 +95,7 @@ ROWS = [
     Row("+ mse ranges", maceq=_MSE),
     Row("+ cross-layer equalization", maceq={**_MSE, "cle": True}),
     Row("+ high-bias absorption", maceq={**_MSE, "cle": True, "high_bias_absorption": True}),
-    Row("+ bias correction (= accurate)", maceq=recipe_settings("accurate")),
+    Row("+ bias correction and AdaRound (= accurate)", maceq=recipe_settings("accurate")),
     Row("onnxruntime quantize_static per-tensor",
         ort={"per_channel": False, "weight_type": "uint8", "method": "minmax"}),
     Row("onnxruntime quantize_static per-channel",
@@ -158,8 +159,7 @@ def run_maceq_row(case: Case, pre: Preprocess, ev: EvalSet, row: Row, devices: l
     cfg = QuantConfig(max_images=calib_images, **row.maceq)
     t0 = time.perf_counter()
     cal = calibrate(case.onnx, case.calib, preprocess=pre, config=cfg, progress=False, devices=tuple(devices))
-    if cfg.bias_correction:
-        correct_bias(cal, tuple(devices), progress=False)
+    recover_per_device(cal, tuple(devices), progress=False)  # AdaRound, bias correction: as the config says
     cells = {"calibration_s": round(time.perf_counter() - t0, 1)}
     print(f"    calibrated on {cal.n_images} images in {cells['calibration_s']:.0f} s", flush=True)
     for device in devices:

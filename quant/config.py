@@ -16,6 +16,9 @@ Example::
     high_bias_absorption: true    # with cle: absorb high biases into the next layer
     bias_correction: true         # empirical bias correction per device
     bias_correction_images: 32    # calibration images it measures on
+    adaround: true                # adaptive weight rounding per device (docs/adaround.md)
+    adaround_images: 64           # calibration images it collects layer inputs from
+    adaround_iters: 500           # optimisation steps per layer
     workers: 4                    # calibration shards and mixed-precision evaluations in parallel
     executor: local               # local (processes) | ray (pip install 'maceq[ray]'); docs/parallel.md
     # ray_address: "head:6379"    # with executor: ray (default: RAY_ADDRESS, else a local Ray)
@@ -37,7 +40,8 @@ from maceq.errors import MaceqError
 from maceq.quant.recipes import recipe_settings
 from maceq.yamlio import one_line, read_yaml
 
-RECOVERY_KEYS = {"cle", "high_bias_absorption", "bias_correction", "bias_correction_images"}
+RECOVERY_KEYS = {"cle", "high_bias_absorption", "bias_correction", "bias_correction_images", "adaround",
+                 "adaround_images", "adaround_iters"}
 PARALLEL_KEYS = {"workers", "executor", "ray_address"}
 TOP_KEYS = {"range_method", "percentile", "batch_size", "max_images", "preprocess", "layers", "fp32_layers",
             "recipe", "safe_forms"} | RECOVERY_KEYS | PARALLEL_KEYS
@@ -69,6 +73,9 @@ class QuantConfig:
     high_bias_absorption: bool = False
     bias_correction: bool = False
     bias_correction_images: int = 32
+    adaround: bool = False
+    adaround_images: int = 64
+    adaround_iters: int = 500
     #: Parallel calibration and mixed-precision sweeps (docs/parallel.md): ``workers`` shards or
     #: candidate evaluations at a time, on local processes or Ray tasks.
     workers: int = 1
@@ -188,13 +195,16 @@ def config_from_dict(d: Any, *, source: str = "config") -> QuantConfig:
                                     _method(spec["range_method"], where) if "range_method" in spec else None,
                                     _percentile(spec["percentile"], where) if "percentile" in spec else None))
     kw["layers"] = tuple(layers)
-    for key in ("cle", "high_bias_absorption", "bias_correction", "safe_forms"):
+    for key in ("cle", "high_bias_absorption", "bias_correction", "adaround", "safe_forms"):
         if key in d:
             if not isinstance(d[key], bool):
                 raise MaceqError(f"{source}: {key} must be true or false, got {d[key]!r}")
             kw[key] = d[key]
     if "bias_correction_images" in d:
         kw["bias_correction_images"] = _positive_int(d["bias_correction_images"], f"{source}: bias_correction_images")
+    for key in ("adaround_images", "adaround_iters"):
+        if key in d:
+            kw[key] = _positive_int(d[key], f"{source}: {key}")
     explicit = frozenset(k for k in d if k != "recipe")
     cfg = QuantConfig(**kw, explicit=explicit)
     if "recipe" in d:

@@ -62,6 +62,22 @@ def with_biases(g: Graph, biases: dict[str, np.ndarray]) -> Graph:
     return g2
 
 
+def with_weights(g: Graph, weights: dict[str, np.ndarray]) -> Graph:
+    """A copy of ``g`` whose listed Conv/Gemm/MatMul nodes carry the given float weights, in the node's own
+    weight layout (a Gemm's alpha folded in: its alpha becomes 1); a shared weight tensor gets its own copy."""
+    g2 = g.copy()
+    for n in g2.nodes:
+        if n.name not in weights:
+            continue
+        if n.op_type == "Gemm" and float(n.attr("alpha", 1.0)) != 1.0:
+            n.attrs["alpha"] = 1.0
+        name = n.inputs[1]
+        if sum(name in m.inputs for m in g2.nodes) > 1:
+            name = n.name + "_weight_rounded"
+            n.inputs[1] = name
+        g2.initializers[name] = np.asarray(weights[n.name], dtype=np.float32)
+    return g2
+
 
 @dataclass
 class Calibration:
@@ -82,14 +98,23 @@ class Calibration:
     #: per device: corrected float biases by node name (empirical bias correction), and its record
     device_biases: dict = field(default_factory=dict)
     device_recovery: dict = field(default_factory=dict)
+    #: per device: float weights on the grid values AdaRound chose, by node name (app/adaround.py)
+    device_weights: dict = field(default_factory=dict)
+
+    def weights_for(self, device: str, fp32: set[str] | frozenset = frozenset()) -> Graph:
+        """The graph with ``device``'s adaptively rounded weights on the layers that stay quantized."""
+        weights = {n: w for n, w in (self.device_weights.get(device) or {}).items() if n not in fp32}
+        return with_weights(self.graph, weights) if weights else self.graph
 
     def graph_for(self, device: str, fp32: set[str] | frozenset = frozenset()) -> Graph:
-        """The graph the ``device`` model is written from: the bias-corrected biases applied to the
-        layers that stay quantized (an fp32 layer keeps its float bias)."""
+        """The graph the ``device`` model is written from: the adaptively rounded weights and the
+        bias-corrected biases applied to the layers that stay quantized (an fp32 layer keeps its float
+        weights and bias)."""
+        g = self.weights_for(device, fp32)
         biases = {n: b for n, b in (self.device_biases.get(device) or {}).items() if n not in fp32}
         if not biases:
-            return self.graph
-        return with_biases(self.graph, biases)
+            return g
+        return with_biases(g, biases)
 
 
 def check_degenerate(graph: Graph, ranges: dict, placement: dict) -> None:

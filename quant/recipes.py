@@ -5,8 +5,9 @@ flags win over it (quant/config.py). ``--preset`` is a different thing: preproce
 
 =========  ====================================================================================
 default    nothing: the converter's behaviour (percentile ranges, no recovery step)
-accurate   the best combination measured (bench/accuracy.py, docs/recovery.md): cross-layer
-           equalization with high-bias absorption, mse ranges, empirical bias correction
+accurate   the best combination measured (bench/accuracy.py, docs/recovery.md, docs/adaround.md):
+           cross-layer equalization with high-bias absorption, mse ranges, AdaRound (adaptive
+           weight rounding), then empirical bias correction
 =========  ====================================================================================
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ RECIPES = MappingProxyType({
         "high_bias_absorption": True,
         "range_method": RangeMethod.MSE,
         "bias_correction": True,
+        "adaround": True,
     }),
 })
 

@@ -17,14 +17,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from maceq.app import bias_correction as bc
+from maceq.app.cli import quantize_main
+from maceq.app.pipeline import calibrate, correct_bias, write_quantized
+from maceq.calibrate.runner import make_session
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
-from maceq.app import bias_correction as bc
-from maceq.app.cli import quantize_main
 from maceq.quant.config import QuantConfig, config_from_dict
-from maceq.app.pipeline import calibrate, correct_bias, write_quantized
-from maceq.calibrate.runner import make_session
 from maceq.runtime import load
 from maceq.runtime.devices import Device
 
@@ -154,6 +154,7 @@ def test_correction_is_what_the_written_model_computes(fmnist_cal, shared_data, 
 def test_recipe_precedence_and_errors():
     c = config_from_dict({"recipe": "accurate", "bias_correction": False})
     assert (c.cle, c.high_bias_absorption, c.bias_correction, c.range_method.value) == (True, True, False, "mse")
+    assert c.adaround and not QuantConfig().adaround
     c = QuantConfig().with_cli(cle=False).with_recipe("accurate")
     assert (c.cle, c.bias_correction) == (False, True)
     assert QuantConfig().with_recipe("default") == QuantConfig(recipe="default")
@@ -168,10 +169,10 @@ def test_cli_recipe_records_the_steps(tmp_path, capsys):
     assert quantize_main(["-q", "-o", str(out), "--max-images", "32", "--recipe", "accurate",
                           "--bias-correction-images", "16"]) == 0
     text = capsys.readouterr().out
-    assert "cross-layer equalization:" in text and "bias correction [cpu]:" in text
+    assert "cross-layer equalization:" in text and "bias correction [cpu]:" in text and "adaround [cpu]:" in text
     rep = json.loads((out / "report.json").read_text())
     steps = [s["step"] for s in rep["recovery"]]
-    assert steps == ["cross-layer equalization", "bias correction"]
+    assert steps == ["cross-layer equalization", "adaround", "bias correction"]
     meta = load(out / "fmnist_mobilenet.yml").maceq_meta
     assert [s["step"] for s in meta["recovery"]] == steps and meta["range_method"] == "mse"
     # an explicit flag wins over the recipe
@@ -179,7 +180,7 @@ def test_cli_recipe_records_the_steps(tmp_path, capsys):
     assert quantize_main(["-q", "-o", str(out2), "--max-images", "32", "--recipe", "accurate",
                           "--no-bias-correction", "--no-report"]) == 0
     assert [s["step"] for s in load(out2 / "fmnist_mobilenet.yml").maceq_meta["recovery"]] == [
-        "cross-layer equalization"]
+        "cross-layer equalization", "adaround"]
     capsys.readouterr()
     assert quantize_main(["-q", "-o", str(tmp_path / "x"), "--recipe", "fast"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
