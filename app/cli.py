@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maceq.app.mixed import auto_mixed_precision, holdout_split
+from maceq.app.mixed import auto_mixed_precision, holdout_split, step_line
 from maceq.app.pipeline import calibrate, quantize, recover_per_device
 from maceq.app.weight_grid import check_weight_grid
 from maceq.calibrate.methods import RangeMethod
@@ -267,7 +267,14 @@ def _add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
                    help="largest allowed drop of top-1 agreement (or accuracy, with labels) in points; layers are "
                         "moved to float32, most sensitive first, until it holds")
     g.add_argument("--min-sqnr", type=float, metavar="DB", help="per-layer floor: layers under it go to float32 first")
-    g.add_argument("--max-fp32-layers", type=int, metavar="N", help="cap on the layers the search may exempt")
+    g.add_argument("--max-fp32-layers", type=int, metavar="N",
+                   help="cap on the ops (source-graph nodes) the search may keep in float32")
+    g.add_argument("--rank-by", choices=["sqnr", "metric"],
+                   help="what a candidate's measured gain is: logits SQNR in dB (default) or metric points")
+    g.add_argument("--shortlist", type=int, metavar="N",
+                   help="candidates (tensors and ops, by isolated SQNR) measured each round (default 12)")
+    g.add_argument("--search-images", type=int, metavar="N",
+                   help="images each candidate is measured on (default 32; the final model is evaluated on all)")
 
 
 def _quantize_options(args) -> _QuantizeOptions:
@@ -293,7 +300,9 @@ def _quantize_options(args) -> _QuantizeOptions:
     if args.budget and not Path(args.budget).is_file():
         raise MaceqError(f"{args.budget}: no such budget file")
     if args.accuracy_budget is None:
-        for flag, value in (("--min-sqnr", args.min_sqnr), ("--max-fp32-layers", args.max_fp32_layers)):
+        for flag, value in (("--min-sqnr", args.min_sqnr), ("--max-fp32-layers", args.max_fp32_layers),
+                            ("--rank-by", args.rank_by), ("--shortlist", args.shortlist),
+                            ("--search-images", args.search_images)):
             if value is not None:
                 raise MaceqError(f"{flag} needs --accuracy-budget")
     return _QuantizeOptions(config, pre, input_shape, name, out, devices, extra_meta)
@@ -450,11 +459,21 @@ def _write_report(per_device, data, out, graph, evals, args, mixed=None) -> int:
     return 0
 
 
+def _search_args(args) -> dict:
+    """The search's own options, where given (auto_mixed_precision's defaults otherwise)."""
+    given = {"rank_by": args.rank_by, "shortlist": args.shortlist, "search_images": args.search_images}
+    for key in ("shortlist", "search_images"):
+        if given[key] is not None and given[key] < 1:
+            raise MaceqError(f"--{key.replace('_', '-')} must be >= 1")
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) -> int:
     """quantize --accuracy-budget: calibrate once, then search fp32 exemptions per device."""
 
     if args.accuracy_budget < 0:
         raise MaceqError("--accuracy-budget must be >= 0")
+    search = _search_args(args)
     cal = calibrate(args.model, args.calib_dir, preprocess=pre, config=config, input_shape=input_shape,
                     progress=not args.quiet, strict=args.strict)
     recover_per_device(cal, devices, progress=not args.quiet)
@@ -470,12 +489,15 @@ def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) 
                                  budget_points=args.accuracy_budget, min_sqnr=args.min_sqnr,
                                  max_fp32_layers=args.max_fp32_layers, device=device, model_name=name,
                                  extra_meta=extra_meta, progress=not args.quiet, executor=config.executor.value,
-                                 workers=config.workers, ray_address=config.ray_address)
-        print(f"[{device}] automatic mixed precision, budget {args.accuracy_budget:g} points:")
+                                 workers=config.workers, ray_address=config.ray_address, **search)
+        print(f"[{device}] automatic mixed precision, budget {args.accuracy_budget:g} points, measured on "
+              f"{r.search_images} image(s), ranked by {r.rank_by}:")
         for s in r.trail:
-            sens = "" if s.sensitivity_db is None else f"isolated SQNR {s.sensitivity_db:7.2f} dB"
-            print(f"  step {s.step}: {(s.exempted or '(all layers uint8)'):<52} {sens:<26} -> {s.metric} "
-                  f"{s.value:6.2f}% (drop {s.drop_points:.2f} points, {s.data_bytes} weight bytes)")
+            print(f"  {step_line(s)}")
+        if r.final_all:
+            b, f = r.baseline_all, r.final_all
+            print(f"  all {f['images']} images: {f['metric']} {b['value']:.2f}% -> {f['value']:.2f}% "
+                  f"(drop {f['drop_points']:.2f} points), logits SQNR {b['sqnr_db']:.5} -> {f['sqnr_db']:.5} dB")
         print(f"  model: {r.files.yml}")
         if not r.ok:
             print(f"error: {r.message}", file=sys.stderr)

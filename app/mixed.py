@@ -1,40 +1,53 @@
-"""Automatic mixed precision: keep the fewest layers in float32 that bring int8 within a budget.
+"""Automatic mixed precision: keep the fewest ops in float32 that bring int8 within a budget.
 
-The search (:func:`auto_mixed_precision`), from one calibration:
+The search (:func:`auto_mixed_precision`), from one calibration (docs/mixed-precision.md):
 
-1. Write the all-int8 model and measure each quantized layer's *isolated* error on the
-   evaluation images (:func:`maceq.reports.analysis.analyze_layers`, mode ``isolated``: only
-   that layer quantized). A layer's sensitivity is its isolated SQNR in dB; lower is worse.
-2. Order the candidate layers (source-graph nodes of uint8 ops): first those whose isolated
-   SQNR is below ``min_sqnr`` (a floor: they are exempted whatever the metric says), then the
-   rest; each group by ascending SQNR, ties broken by node name (so the order, and the whole
-   search, is deterministic for a given input).
-3. Measure the metric of the all-int8 model. Then, while the floor is not cleared or the drop
-   exceeds the budget, exempt the next layer (``write_quantized(cal, fp32_nodes=...)``
-   rebuilds the model from the same ranges, no image is run again) and measure again.
-4. Stop when the floor is cleared and the drop is within the budget (``ok``), or when
-   ``max_fp32_layers`` exemptions or the candidates are exhausted first (``ok`` is False and
-   ``message`` says why; the CLI exits non-zero).
+1. **Candidates.** Two kinds, each a set of source-graph node names for
+   ``write_quantized(cal, fp32_nodes=...)`` (:func:`build_candidates`):
 
-The metric (:func:`maceq.reports.evaluate.evaluate`, float = the source ONNX in onnxruntime):
-with labels, the accuracy drop ``100 * (float_acc - int8_acc)`` points; without, the top-1
-disagreement ``100 * (1 - agreement)`` points (agreement with float is 100% at best). The
-budget holds when ``drop <= budget_points``.
+   - a *tensor* candidate keeps one quantized activation tensor in float: its producer and every
+     consumer run in float32 (a consumer that only relabels the tensor, a Flatten/Reshape/Squeeze,
+     passes through to its own consumers), so the tensor is never quantized;
+   - an *op* candidate keeps one quantized op in float32, alone (its input and output tensors stay
+     quantized where other uint8 ops read or write them).
 
-Parallel candidate evaluations (``executor="ray"``, or ``"local"`` with ``workers > 1``): the
-model measured after ``k`` exemptions keeps exactly the first ``k`` ranked candidates in float32,
-so every model the search may need is known once the ranking is. The search therefore measures
-them speculatively in waves of ``workers`` (``k+1 .. k+workers``, up to the cap) as Ray tasks or
-local processes (:class:`maceq.calibrate.parallel.TaskPool`), then walks the results with the
-same stopping rule as the sequential search; results past the stop are discarded (at most
-``workers - 1`` wasted evaluations). Each task writes its model into a temporary folder of its
-own, loads it and evaluates it exactly as step 3 does, so the trail, the chosen layers and the
-written model equal the sequential search's (tests/test_parallel.py). The baseline and the
-isolated analysis run in this process, once.
+   Candidates whose set is already float32 (the config's ``fp32_layers``, earlier choices) are
+   skipped; of candidates with the same set, one is kept (the op before the tensor).
+2. **Shortlist (cheap proxy).** The all-int8 model's *isolated* per-layer analysis on the search
+   images (:func:`maceq.reports.analysis.analyze_layers`: only that layer quantized, its input
+   quantized as the model quantizes it) gives each uint8 op an SQNR in dB. A candidate's proxy is
+   the lowest isolated SQNR among its ops; the ``shortlist`` lowest proxies (ties: fewer nodes,
+   op before tensor, then the name) are the only candidates measured.
+3. **Measured greedy** (:func:`greedy`). Each round, every shortlisted candidate that is not yet
+   covered and fits the cap is *measured on the end metric*: the model rebuilt with the chosen set
+   plus that candidate in float32, evaluated on the search images
+   (:func:`maceq.reports.evaluate.evaluate`). Its gain over the current model is the rise of the
+   logits SQNR in dB (``rank_by="sqnr"``, the default: smooth on few images) or of top-1
+   agreement / accuracy in points (``rank_by="metric"``). The largest gain is added (ties by name,
+   then kind); the remaining candidates are re-measured on top of the new set next round.
+4. **Stop** when the drop is within the budget (``ok``); or when no candidate fits
+   ``max_fp32_layers``, none is left, or none gains (``ok`` False, ``message`` says why).
 
-Every step is recorded (:class:`Step`): the layer exempted, its sensitivity, the metric, and
-the bytes of the written ``.data`` file, so the trade-off (metric vs fp32 layers vs size) can go
-into report.json.
+``max_fp32_layers`` counts the *ops* (source-graph nodes) the search keeps in float32, not the
+candidates: a tensor candidate of one depthwise conv and one projection conv counts 2. Nodes the
+config keeps in float32 are not counted. ``min_sqnr``, a per-op floor: ops whose isolated SQNR is
+below it are kept in float32 first (one measured step each, most damaging first), before the
+greedy search.
+
+The metric: with labels, the accuracy drop ``100 * (float_acc - int8_acc)`` points; without,
+``100 * (1 - agreement)`` points. The budget holds when ``drop <= budget_points``. When the search
+images are fewer than ``eval_data``'s, the all-int8 and the final model are evaluated on all of
+them too (``baseline_all``, ``final_all``), and ``ok`` needs the budget to hold there as well.
+
+Each step records the boundaries (inner Quantize/Dequantize ops) and float work of its model
+(:func:`maceq.reports.cost.float_share`) and an estimate of its extra device time
+(:func:`extra_cost_pct`).
+
+Parallel measurements (``executor="ray"``, or ``"local"`` with ``workers > 1``): each round's
+candidate models are measured at once on a :class:`maceq.calibrate.parallel.TaskPool`, each in a
+temporary folder of its own, by the same function the sequential search calls in this process;
+the greedy decision is taken here on the results in candidate order, so the trail equals the
+sequential search's (tests/test_parallel.py).
 """
 from __future__ import annotations
 
@@ -45,55 +58,116 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
 from maceq.calibrate.parallel import Executor, TaskPool, check_workers
 from maceq.datasets.images import ImageFolder
 from maceq.errors import MaceqError
+from maceq.quant.build import VIEW_OPS
 from maceq.quant.export import write_quantized
 from maceq.reports.analysis import analyze_layers
+from maceq.reports.cost import float_share
 from maceq.reports.evaluate import evaluate
-from maceq.runtime.model import load
 from maceq.runtime.devices import Device
+from maceq.runtime.model import load
 
 #: Slack when comparing a drop with the budget (both are in points; drops are multiples of 100/N).
 BUDGET_EPS = 1e-9
+#: Device-time model: a float32 MAC costs this many int8 MACs (int8 kernels do about twice the MACs per
+#: cycle of float32 ones on ARM NEON), and each value a Quantize/Dequantize converts costs this many.
+FLOAT_MAC_COST = 2.0
+CONVERT_COST = 4.0
+RANK_BY = ("sqnr", "metric")
+DEFAULT_SHORTLIST = 12
+DEFAULT_SEARCH_IMAGES = 32
+
+
+def extra_cost_pct(m: "Measured", base: "Measured") -> float:
+    """Estimated device time ``m`` adds over ``base``, in % of the all-int8 model's time.
+
+    Time is counted in int8-MAC equivalents: ``int8 MACs + FLOAT_MAC_COST * float MACs +
+    CONVERT_COST * values converted at the Quantize/Dequantize boundaries``."""
+    def units(x: Measured) -> float:
+        return (x.macs - x.float_macs) + FLOAT_MAC_COST * x.float_macs + CONVERT_COST * x.boundary_values
+    return 100.0 * (units(m) - units(base)) / max(units(base), 1.0)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layer the search may keep in float32: its source node and isolated sensitivity."""
+    """A unit the search may keep in float32: an op alone, or a tensor (its producer and consumers)."""
 
-    node: str
-    op_type: str
-    sqnr_db: float          # isolated SQNR (dB); lower = more damaging
-    below_floor: bool       # isolated SQNR under min_sqnr
+    kind: str                  # "tensor" | "op"
+    name: str                  # the tensor's or the node's name
+    nodes: tuple[str, ...]     # the source-graph nodes it keeps in float32, sorted
+    proxy_db: float            # lowest isolated SQNR (dB) of its ops; the shortlist's order
+    below_floor: bool = False  # an op whose isolated SQNR is under min_sqnr
 
     def to_dict(self) -> dict:
-        return {"node": self.node, "op_type": self.op_type, "sqnr_db": _json_float(self.sqnr_db),
-                "below_floor": self.below_floor}
+        return {"kind": self.kind, "name": self.name, "nodes": list(self.nodes),
+                "proxy_db": _json_float(self.proxy_db), "below_floor": self.below_floor}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One model measured on the search images: its fp32 set, metric, logits SQNR, size and float cost."""
+
+    fp32_nodes: tuple[str, ...]
+    metric: str                 # "top1_agreement" | "accuracy"
+    value: float                # in percent
+    float_value: float          # the float reference in percent (100 for agreement)
+    sqnr_db: float              # logits SQNR over the images
+    data_bytes: int = 0
+    boundaries: int = 0         # inner Quantize/Dequantize ops
+    boundary_values: int = 0    # values they convert per run
+    float_ops: int = 0
+    float_macs: int = 0
+    macs: int = 0
+
+    @property
+    def drop_points(self) -> float:
+        return self.float_value - self.value
+
+
+def gain(m: Measured, cur: Measured, rank_by: str) -> float:
+    """How much ``m`` improves on ``cur``: logits SQNR in dB (``sqnr``) or metric points (``metric``)."""
+    return m.sqnr_db - cur.sqnr_db if rank_by == "sqnr" else m.value - cur.value
 
 
 @dataclass(frozen=True)
 class Step:
-    """One measured model of the search: step 0 is all int8; step k exempts one more layer."""
+    """One measured model of the search: step 0 is all int8; each later step adds one candidate."""
 
     step: int
-    exempted: str | None        # the node added to the fp32 set at this step (None at step 0)
-    sensitivity_db: float | None  # its isolated SQNR
+    kind: str | None            # "tensor" | "op" (None at step 0)
+    candidate: str | None       # the candidate's name
+    nodes: tuple[str, ...]      # the nodes this step added to the fp32 set
     reason: str                 # "baseline" | "below_min_sqnr" | "budget"
     fp32_nodes: tuple[str, ...]  # all nodes in float32 (auto and manual), sorted
-    n_fp32: int                 # len(fp32_nodes): the config's fp32_layers count too
-    metric: str                 # "top1_agreement" | "accuracy"
-    value: float                # the metric in percent (int8)
-    float_value: float          # the float reference in percent (100 for agreement)
+    n_fp32: int                 # len(fp32_nodes)
+    metric: str
+    value: float
+    float_value: float
     drop_points: float
-    data_bytes: int             # size of the written .data file
+    sqnr_db: float
+    gain: float | None          # the chosen candidate's measured gain (rank_by's unit)
+    runner_up: dict | None      # the next best candidate of the round and its gain
+    measured: tuple             # every candidate measured in the round: {kind, name, n_nodes, gain_db, gain_points}
+    boundaries: int
+    boundary_values: int
+    float_ops: int
+    float_macs: int
+    est_cost_pct: float         # estimated extra device time over the all-int8 model (extra_cost_pct)
+    data_bytes: int
     within_budget: bool
+
+    @property
+    def exempted(self) -> str | None:
+        return self.candidate
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        d["fp32_nodes"] = list(self.fp32_nodes)
-        d["sensitivity_db"] = None if self.sensitivity_db is None else _json_float(self.sensitivity_db)
+        d.update(exempted=self.candidate, nodes=list(self.nodes), fp32_nodes=list(self.fp32_nodes),
+                 measured=[dict(x) for x in self.measured], sqnr_db=_json_float(self.sqnr_db))
         return d
 
 
@@ -102,9 +176,9 @@ class MixedResult:
     """The outcome: ``ok`` (budget and floor met), the fp32 nodes chosen, the trail, the files."""
 
     ok: bool
-    fp32_nodes: tuple[str, ...]      # the nodes the search exempted, in exemption order
+    fp32_nodes: tuple[str, ...]      # the nodes the search keeps in float32, in the order they were added
     trail: list[Step]
-    candidates: list[Candidate]      # the ranking the search followed
+    candidates: list[Candidate]      # the shortlist the greedy search measured (floor candidates first)
     files: object                    # ModelFiles of the final model (written to output_dir)
     result: object                   # its QuantizeResult
     device: str
@@ -113,6 +187,10 @@ class MixedResult:
     max_fp32_layers: int | None
     message: str = ""
     layers: list = field(default_factory=list)  # LayerError of the all-int8 model (isolated)
+    rank_by: str = "sqnr"
+    search_images: int = 0
+    baseline_all: dict | None = None  # all-int8 and final model on every eval image (when the search used fewer)
+    final_all: dict | None = None
 
     @property
     def tradeoff(self) -> list[dict]:
@@ -125,8 +203,10 @@ class MixedResult:
         """JSON-serialisable record for report.json."""
         return {"ok": self.ok, "message": self.message, "device": self.device,
                 "budget_points": self.budget_points, "min_sqnr": self.min_sqnr,
-                "max_fp32_layers": self.max_fp32_layers, "fp32_nodes": list(self.fp32_nodes),
+                "max_fp32_layers": self.max_fp32_layers, "rank_by": self.rank_by,
+                "search_images": self.search_images, "fp32_nodes": list(self.fp32_nodes),
                 "trail": [s.to_dict() for s in self.trail], "tradeoff": self.tradeoff,
+                "baseline_all": self.baseline_all, "final_all": self.final_all,
                 "candidates": [c.to_dict() for c in self.candidates],
                 "layers": [L.to_dict() for L in self.layers]}
 
@@ -135,19 +215,117 @@ def _json_float(v: float):
     return v if math.isfinite(v) else ("inf" if v > 0 else "-inf")
 
 
-def rank_candidates(layers, *, min_sqnr: float | None, exclude=frozenset()) -> list[Candidate]:
-    """Search order from an isolated analysis: below-floor layers first, then the rest, each by
-    ascending isolated SQNR with the node name as tie-break. One entry per node (its worst op)."""
-    worst: dict[str, Candidate] = {}
-    for L in layers:
-        if L.node is None or L.node in exclude or L.isolated is None:
-            continue
-        s = float(L.isolated.sqnr_db)
-        c = Candidate(L.node, L.op_type, s, min_sqnr is not None and s < min_sqnr)
-        if L.node not in worst or s < worst[L.node].sqnr_db:
-            worst[L.node] = c
-    return sorted(worst.values(), key=lambda c: (not c.below_floor, c.sqnr_db, c.node))
+# -- candidates -----------------------------------------------------------------------------------
 
+def tensor_nodes(graph, tensor: str, producers: dict, consumers: dict) -> set[str]:
+    """The nodes that must run in float32 for ``tensor`` never to be quantized: its producer and
+    every consumer, through view ops (Flatten/Reshape/Squeeze relabel the tensor) to theirs."""
+    nodes = {producers[tensor].name} if tensor in producers else set()
+    todo = [tensor]
+    while todo:
+        for c in consumers.get(todo.pop(), []):
+            if c.name not in nodes:
+                nodes.add(c.name)
+                if c.op_type in VIEW_OPS:
+                    todo.extend(c.outputs)
+    return nodes
+
+
+def build_candidates(graph, placement: dict, layers, *, exclude=frozenset(),
+                     min_sqnr: float | None = None) -> list[Candidate]:
+    """Every op and tensor candidate of ``graph`` (module docstring), ordered by proxy.
+
+    ``placement``: node -> "uint8" | "float32" of the all-int8 model (views folded into a
+    FullyConnected have none). ``layers``: its isolated analysis (``LayerError``); ops without one
+    get a proxy of +inf. ``exclude``: nodes already float32, removed from every set."""
+    iso: dict[str, float] = {}
+    for L in layers:
+        if L.node is not None and L.isolated is not None:
+            iso[L.node] = min(iso.get(L.node, math.inf), float(L.isolated.sqnr_db))
+    uint8 = {n for n, where in placement.items() if where == "uint8"}
+
+    def make(kind, name, nodes):
+        nodes = set(nodes) - set(exclude)
+        if not nodes & uint8:
+            return None
+        proxy = min((iso.get(n, math.inf) for n in nodes), default=math.inf)
+        floor = kind == "op" and min_sqnr is not None and proxy < min_sqnr
+        return Candidate(kind, name, tuple(sorted(nodes)), proxy, floor)
+
+    found = [make("op", n.name, [n.name]) for n in graph.nodes]
+    producers, consumers = graph.producers(), graph.consumers()
+    tensors = [i.name for i in graph.inputs] + [o for n in graph.nodes for o in n.outputs]
+    found += [make("tensor", t, tensor_nodes(graph, t, producers, consumers)) for t in dict.fromkeys(tensors)
+              if not graph.is_const(t)]
+    order = sorted((c for c in found if c is not None),
+                   key=lambda c: (c.proxy_db, len(c.nodes), c.kind != "op", c.name))
+    seen, out = set(), []
+    for c in order:
+        if c.nodes not in seen:
+            seen.add(c.nodes)
+            out.append(c)
+    return out
+
+
+# -- the greedy loop ------------------------------------------------------------------------------
+
+@dataclass
+class Round:
+    """One greedy decision: the candidate taken, its measurement, and every candidate's (gain, cand, m)."""
+
+    candidate: Candidate
+    measured: Measured
+    scored: list
+    reason: str = "budget"
+
+
+@dataclass
+class GreedyResult:
+    rounds: list[Round]
+    chosen: tuple[str, ...]   # the nodes added, in order
+    ok: bool
+    message: str
+
+
+def within_budget(m: Measured, budget: float) -> bool:
+    return m.drop_points <= budget + BUDGET_EPS
+
+
+def greedy(cands: Sequence[Candidate], measure_many: Callable[[list[tuple[str, ...]]], list[Measured]], *,
+           start: Measured, budget: float, cap: int | None, rank_by: str = "sqnr",
+           chosen: Sequence[str] = ()) -> GreedyResult:
+    """The measured greedy search (module docstring, step 3 and 4).
+
+    ``measure_many(sets)``: one :class:`Measured` per node set (each the whole set of nodes the
+    search keeps in float32: ``chosen`` plus the candidate's), in order. ``start``: the model
+    with ``chosen`` in float32. ``cap``: the most nodes the search may keep in float32 (``chosen``
+    included)."""
+    taken, cur, rounds = list(dict.fromkeys(chosen)), start, []
+    left = list(cands)
+    while not within_budget(cur, budget):
+        left = [c for c in left if not set(c.nodes) <= set(taken)]
+        fits = [c for c in left if cap is None or len(set(taken) | set(c.nodes)) <= cap]
+        why = f"drop {cur.drop_points:.2f} points > budget {budget:g}"
+        if not left:
+            return GreedyResult(rounds, tuple(taken), False, f"every shortlisted candidate is float32 and the {why}")
+        if not fits:
+            return GreedyResult(rounds, tuple(taken), False, f"--max-fp32-layers {cap} reached with {why}")
+        sets = [tuple(taken) + tuple(n for n in c.nodes if n not in taken) for c in fits]
+        got = measure_many(sets)
+        scored = sorted(((gain(m, cur, rank_by), c, m) for c, m in zip(fits, got)),
+                        key=lambda t: (-t[0], t[1].name, t[1].kind))
+        best, c, m = scored[0]
+        if not best > 0:
+            return GreedyResult(rounds, tuple(taken), False,
+                                f"no shortlisted candidate improves the {'logits SQNR' if rank_by == 'sqnr' else 'metric'}"
+                                f" ({len(fits)} measured) with {why}")
+        taken += [n for n in c.nodes if n not in taken]
+        rounds.append(Round(c, m, scored))
+        cur = m
+    return GreedyResult(rounds, tuple(taken), True, "")
+
+
+# -- measuring ------------------------------------------------------------------------------------
 
 def holdout_split(calib_dir: str | os.PathLike, preprocess, *, used: int, limit: int | None = None,
                   labels="auto") -> ImageFolder:
@@ -170,24 +348,9 @@ def holdout_split(calib_dir: str | os.PathLike, preprocess, *, used: int, limit:
     return data
 
 
-def _measure(cal, fp32: list[str], *, out_dir: Path, device: str, data: ImageFolder, batch_size: int,
-             model_name: str | None, extra_meta: dict | None):
-    """Write the model with ``fp32`` kept in float32, load it and evaluate it."""
-
-    res = write_quantized(cal, output_dir=out_dir, devices=(device,), fp32_nodes=set(fp32), model_name=model_name,
-                          extra_meta=extra_meta)
-    model = load(res.files.yml)
-    ev = evaluate(model, cal.onnx_path, data, device=device, batch_size=batch_size, progress=False)
-    if ev.float_accuracy is not None:
-        metric, value, ref = "accuracy", 100.0 * ev.int8_accuracy, 100.0 * ev.float_accuracy
-    else:
-        metric, value, ref = "top1_agreement", 100.0 * ev.top1_agreement, 100.0
-    return res, model, metric, value, ref, os.path.getsize(res.files.data)
-
-
 @dataclass(frozen=True)
 class _EvalJob:
-    """What each parallel candidate evaluation needs, shipped once per worker."""
+    """What each candidate measurement needs, shipped once per worker."""
 
     cal: object
     data: ImageFolder
@@ -197,142 +360,191 @@ class _EvalJob:
     extra_meta: dict | None
 
 
-def _measure_task(job: _EvalJob, fp32: tuple[str, ...], report=None) -> tuple:
-    """:func:`_measure` in a worker process or Ray task, in a temporary folder of its own:
-    ``(sorted fp32 nodes, metric, value, float value, .data bytes)``."""
+def _measure(job: _EvalJob, fp32, out_dir: Path):
+    """Write the model with ``fp32`` kept in float32 into ``out_dir``, load it, evaluate it."""
+    res = write_quantized(job.cal, output_dir=out_dir, devices=(job.device,), fp32_nodes=set(fp32),
+                          model_name=job.model_name, extra_meta=job.extra_meta)
+    model = load(res.files.yml)
+    ev = evaluate(model, job.cal.onnx_path, job.data, device=job.device, batch_size=job.batch_size, progress=False)
+    fs = float_share(model, job.device)
+    if ev.float_accuracy is not None:
+        metric, value, ref = "accuracy", 100.0 * ev.int8_accuracy, 100.0 * ev.float_accuracy
+    else:
+        metric, value, ref = "top1_agreement", 100.0 * ev.top1_agreement, 100.0
+    m = Measured(tuple(sorted(res.fp32)), metric, value, ref, float(ev.sqnr_db), os.path.getsize(res.files.data),
+                 fs.boundaries, fs.boundary_values, fs.float_ops, fs.float_macs, fs.macs)
+    return res, model, m
+
+
+def _measure_task(job: _EvalJob, fp32: tuple[str, ...], report=None) -> Measured:
+    """:func:`_measure` in a temporary folder of its own (here, in a worker process or a Ray task)."""
     tmp = Path(tempfile.mkdtemp(prefix="maceq-search-"))
     try:
-        res, _, metric, value, ref, nbytes = _measure(
-            job.cal, list(fp32), out_dir=tmp, device=job.device, data=job.data, batch_size=job.batch_size,
-            model_name=job.model_name, extra_meta=job.extra_meta)
-        return tuple(sorted(res.fp32)), metric, value, ref, nbytes
+        return _measure(job, fp32, tmp)[2]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_args(budget_points, min_sqnr, max_fp32_layers, rank_by, shortlist, search_images) -> float:
+    budget = float(budget_points)
+    if not math.isfinite(budget) or budget < 0:
+        raise MaceqError(f"--accuracy-budget must be a number of points >= 0, got {budget_points!r}")
+    for flag, v, low in (("--max-fp32-layers", max_fp32_layers, 0), ("--shortlist", shortlist, 1),
+                         ("--search-images", search_images, 1)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise MaceqError(f"{flag} must be an int >= {low}, got {v!r}")
+    if min_sqnr is not None and not math.isfinite(float(min_sqnr)):
+        raise MaceqError(f"--min-sqnr must be a number of dB, got {min_sqnr!r}")
+    if rank_by not in RANK_BY:
+        raise MaceqError(f"--rank-by must be one of {', '.join(RANK_BY)}, got {rank_by!r}")
+    return budget
 
 
 def auto_mixed_precision(cal, *, output_dir: str | os.PathLike, eval_data: ImageFolder, budget_points: float,
                          min_sqnr: float | None = None, max_fp32_layers: int | None = None, device: str = "cpu",
                          model_name: str | None = None, extra_meta: dict | None = None, batch_size: int = 8,
                          progress: bool = True, executor: str = "local", workers: int = 1,
-                         ray_address: str | None = None) -> MixedResult:
-    """Greedy search for the fp32 layers that bring ``device``'s int8 model within ``budget_points``.
+                         ray_address: str | None = None, rank_by: str = "sqnr",
+                         shortlist: int = DEFAULT_SHORTLIST,
+                         search_images: int | None = DEFAULT_SEARCH_IMAGES) -> MixedResult:
+    """Greedy measured search for the fp32 set that brings ``device``'s int8 model within ``budget_points``.
 
-    ``cal``: a :class:`maceq.app.pipeline.Calibration`. ``eval_data``: the images the metric
-    and the sensitivities are measured on (an eval folder, or :func:`holdout_split` of the
-    calibration folder). The final model is written to ``output_dir``; the intermediate models
-    of the search go to a scratch folder inside it, removed at the end. See the module docstring.
-
-    ``executor`` ("local" | "ray"), ``workers``, ``ray_address``: where the candidate models are
-    measured; "local" with ``workers == 1`` (the default) measures them one after another in this
-    process, anything else in parallel waves (module docstring), with identical results.
+    ``cal``: a :class:`maceq.app.pipeline.Calibration`. ``eval_data``: the images the metric is
+    measured on (an eval folder, or :func:`holdout_split` of the calibration folder); the search
+    measures on its first ``search_images`` (None: all). The final model is written to
+    ``output_dir``. ``executor`` ("local" | "ray"), ``workers``, ``ray_address``: where each
+    round's candidates are measured ("local" with one worker: one after another in this process),
+    with identical results. See the module docstring.
     """
-
     device = Device.parse(device).value
-    budget = float(budget_points)
-    if not math.isfinite(budget) or budget < 0:
-        raise MaceqError(f"--accuracy-budget must be a number of points >= 0, got {budget_points!r}")
-    if max_fp32_layers is not None and (isinstance(max_fp32_layers, bool) or not isinstance(max_fp32_layers, int)
-                                        or max_fp32_layers < 0):
-        raise MaceqError(f"--max-fp32-layers must be an int >= 0, got {max_fp32_layers!r}")
-    if min_sqnr is not None and not math.isfinite(float(min_sqnr)):
-        raise MaceqError(f"--min-sqnr must be a number of dB, got {min_sqnr!r}")
+    budget = _check_args(budget_points, min_sqnr, max_fp32_layers, rank_by, shortlist, search_images)
     executor = Executor.parse(executor)
     workers = check_workers(workers)
-    parallel = executor is Executor.RAY or workers > 1
     out = Path(output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise MaceqError(f"{out}: cannot create the output folder ({e.strerror})") from None
-    scratch = Path(tempfile.mkdtemp(prefix=".maceq-search-", dir=out))
+    n = len(eval_data.files) if search_images is None else min(search_images, len(eval_data.files))
+    job = _EvalJob(cal, eval_data.shard(0, n), device, batch_size, model_name, extra_meta)
+    pool = None
+    if executor is Executor.RAY or workers > 1:
+        pool = TaskPool(job, executor=executor, workers=workers, ray_address=ray_address)
     try:
-        pool = None
-        if parallel:
-            pool = TaskPool(_EvalJob(cal, eval_data, device, batch_size, model_name, extra_meta),
-                            executor=executor, workers=workers, ray_address=ray_address)
-        try:
-            return _search(cal, out=out, scratch=scratch, data=eval_data, budget=budget, min_sqnr=min_sqnr,
-                           cap=max_fp32_layers, device=device, model_name=model_name, extra_meta=extra_meta,
-                           batch_size=batch_size, progress=progress, analyze=analyze_layers, pool=pool)
-        finally:
-            if pool is not None:
-                pool.close()
+        return _search(job, out=out, all_data=eval_data, budget=budget, min_sqnr=min_sqnr, cap=max_fp32_layers,
+                       rank_by=rank_by, shortlist=shortlist, progress=progress, pool=pool)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if pool is not None:
+            pool.close()
 
 
-def _search(cal, *, out, scratch, data, budget, min_sqnr, cap, device, model_name, extra_meta, batch_size,
-            progress, analyze, pool=None) -> MixedResult:
-    def say(line: str) -> None:
-        if progress:
+class _Trail:
+    """The steps of one search, printed as they are taken."""
+
+    def __init__(self, device: str, budget: float, progress: bool):
+        self.device, self.budget, self.progress = device, budget, progress
+        self.steps: list[Step] = []
+        self.base: Measured | None = None
+
+    def say(self, line: str) -> None:
+        if self.progress:
             print(line, file=sys.stderr)
 
+    def add(self, m: Measured, cand: Candidate | None = None, reason: str = "baseline", scored=()) -> None:
+        self.base = self.base or m
+        ranked = [{"kind": c.kind, "name": c.name, "n_nodes": len(c.nodes),
+                   "gain_db": m2.sqnr_db - self.last.sqnr_db, "gain_points": m2.value - self.last.value}
+                  for _, c, m2 in scored] if scored else []
+        s = Step(len(self.steps), cand and cand.kind, cand and cand.name, cand.nodes if cand else (), reason,
+                 m.fp32_nodes, len(m.fp32_nodes), m.metric, m.value, m.float_value, m.drop_points, m.sqnr_db,
+                 scored[0][0] if scored else None, ({**ranked[1], "gain": scored[1][0]} if len(ranked) > 1 else None),
+                 tuple(ranked), m.boundaries, m.boundary_values, m.float_ops, m.float_macs,
+                 extra_cost_pct(m, self.base), m.data_bytes, within_budget(m, self.budget))
+        self.steps.append(s)
+        self.say(f"mixed precision [{self.device}] {step_line(s)}")
+
+    @property
+    def last(self) -> Measured:
+        s = self.steps[-1]
+        return Measured(s.fp32_nodes, s.metric, s.value, s.float_value, s.sqnr_db)
+
+
+def step_line(s: Step) -> str:
+    """One trail step in a line: what was added, the measured gain and runner-up, the metric, the cost."""
+    what = "(all int8)" if s.candidate is None else f"+{s.kind} {s.candidate} ({len(s.nodes)} op(s))"
+    line = f"step {s.step}: {what}: {s.metric} {s.value:.2f}% (drop {s.drop_points:.2f} points), {s.sqnr_db:.2f} dB"
+    if s.gain is not None:
+        line += f", gain {s.gain:+.2f}"
+    if s.runner_up:
+        line += f", runner-up {s.runner_up['kind']} {s.runner_up['name']} {s.runner_up['gain']:+.2f}"
+    return (line + f"; {s.n_fp32} fp32 op(s), {s.boundaries} boundaries, est. +{s.est_cost_pct:.1f}% "
+            f"device time, {s.data_bytes} weight bytes")
+
+
+def _search(job: _EvalJob, *, out, all_data, budget, min_sqnr, cap, rank_by, shortlist, progress,
+            pool=None) -> MixedResult:
+    cal, device = job.cal, job.device
+    trail = _Trail(device, budget, progress)
+    with tempfile.TemporaryDirectory(prefix=".maceq-search-", dir=out) as scratch:
+        res0, model0, m0 = _measure(job, (), Path(scratch))
+        trail.add(m0)
+        layers = analyze_layers(model0, cal.graph, job.data, device=device, modes=("isolated",), progress=progress)
+        del model0
+    cands = build_candidates(cal.graph, res0.placement, layers, exclude=res0.fp32, min_sqnr=min_sqnr)
+
+    def measure_many(sets):
+        return pool.map(_measure_task, sets) if pool is not None else [_measure_task(job, s) for s in sets]
+
+    floor = sorted((c for c in cands if c.below_floor), key=lambda c: (c.proxy_db, c.name))
+    chosen, ok, message = _floor_steps(floor, measure_many, trail, cap=cap, min_sqnr=min_sqnr)
+    short = [c for c in cands if not c.below_floor][:shortlist]
+    if ok:
+        g = greedy(short, measure_many, start=trail.last, budget=budget, cap=cap, rank_by=rank_by, chosen=chosen)
+        for r in g.rounds:
+            trail.add(r.measured, r.candidate, r.reason, r.scored)
+        chosen, ok, message = g.chosen, g.ok, g.message
+    return _finish(job, trail, out=out, all_data=all_data, chosen=chosen, ok=ok, message=message,
+                   cands=floor + short, layers=layers, budget=budget, min_sqnr=min_sqnr, cap=cap, rank_by=rank_by)
+
+
+def _floor_steps(floor, measure_many, trail: _Trail, *, cap, min_sqnr) -> tuple[tuple[str, ...], bool, str]:
+    """Ops below ``min_sqnr`` go to float32 first, one measured step each; False when the cap stops it."""
     chosen: list[str] = []
-    trail: list[Step] = []
+    for k, c in enumerate(floor):
+        if cap is not None and len(chosen) + 1 > cap:
+            return (tuple(chosen), False, f"--max-fp32-layers {cap} reached with {len(floor) - k} layer(s) below "
+                    f"--min-sqnr {min_sqnr:g} dB still int8")
+        chosen.append(c.name)
+        trail.add(measure_many([tuple(chosen)])[0], c, "below_min_sqnr")
+    return tuple(chosen), True, ""
 
-    def record(step, exempted, sens, reason, measured):
-        fp32_sorted, metric, value, ref, nbytes = measured
-        drop = ref - value
-        s = Step(step, exempted, sens, reason, fp32_sorted, len(fp32_sorted), metric, value, ref, drop,
-                 nbytes, drop <= budget + BUDGET_EPS)
-        trail.append(s)
-        say(f"mixed precision [{device}] step {step}: {len(fp32_sorted)} fp32 layer(s)"
-            + (f", +{exempted} ({sens:.2f} dB)" if exempted else "")
-            + f": {metric} {value:.2f}% (drop {drop:.2f} points, budget {budget:g})")
 
-    def measure_here(step):
-        res, model, metric, value, ref, nbytes = _measure(
-            cal, chosen, out_dir=scratch / f"step{step}", device=device, data=data, batch_size=batch_size,
-            model_name=model_name, extra_meta=extra_meta)
-        return res, model, (tuple(sorted(res.fp32)), metric, value, ref, nbytes)
+def _summary(m: Measured, images: int) -> dict:
+    return {"images": images, "metric": m.metric, "value": m.value, "float_value": m.float_value,
+            "drop_points": m.drop_points, "sqnr_db": _json_float(m.sqnr_db)}
 
-    res0, model0, m0 = measure_here(0)
-    record(0, None, None, "baseline", m0)
-    layers = analyze(model0, cal.graph, data, device=device, modes=("isolated",), progress=progress)
-    cands = rank_candidates(layers, min_sqnr=min_sqnr, exclude=res0.fp32)
-    limit = len(cands) if cap is None else min(cap, len(cands))
-    ahead: dict[int, tuple] = {}  # parallel: exemption count -> measurement of the first n candidates
 
-    def measurement(n: int) -> tuple:
-        """The model with ``chosen == [c.node for c in cands[:n]]`` measured (here, or in a wave)."""
-        if pool is None:
-            return measure_here(n)[2]
-        if n not in ahead:
-            wave = range(n, min(n + pool.workers, limit + 1))
-            got = pool.map(_measure_task, [tuple(c.node for c in cands[:m]) for m in wave])
-            ahead.update(zip(wave, got))
-        return ahead.pop(n)
-
-    message = ""
-    k = 0
-    while True:
-        last = trail[-1]
-        floor_left = [c for c in cands[k:] if c.below_floor]
-        if last.within_budget and not floor_left:
-            ok = True
-            break
-        if cap is not None and len(chosen) >= cap:
+def _finish(job: _EvalJob, trail: _Trail, *, out, all_data, chosen, ok, message, cands, layers, budget, min_sqnr,
+            cap, rank_by) -> MixedResult:
+    """Write the final model; evaluate it (and the all-int8 one) on every image when the search used fewer."""
+    last = trail.steps[-1]
+    base_all = final_all = None
+    if len(job.data.files) < len(all_data.files):
+        full = _EvalJob(job.cal, all_data, job.device, job.batch_size, job.model_name, job.extra_meta)
+        n = len(all_data.files)
+        base_all = _summary(_measure_task(full, ()), n)
+        final_all = _summary(_measure_task(full, tuple(chosen)), n)
+        if ok and final_all["drop_points"] > budget + BUDGET_EPS:
             ok = False
-            why = (f"{len(floor_left)} layer(s) below --min-sqnr {min_sqnr:g} dB still int8" if floor_left
-                   else f"drop {last.drop_points:.2f} points > budget {budget:g}")
-            message = f"--max-fp32-layers {cap} reached with {why}"
-            break
-        if k >= len(cands):
-            ok = False
-            message = f"every candidate layer is float32 and the drop is {last.drop_points:.2f} points > budget {budget:g}"
-            break
-        c = cands[k]
-        k += 1
-        chosen.append(c.node)
-        record(len(trail), c.node, c.sqnr_db, "below_min_sqnr" if c.below_floor else "budget", measurement(k))
-
-    last = trail[-1]
-    record = {"ok": ok, "budget_points": budget, "min_sqnr": min_sqnr, "max_fp32_layers": cap,
+            message = (f"the budget held on the {len(job.data.files)} search images but the drop on all {n} images "
+                       f"is {final_all['drop_points']:.2f} points > budget {budget:g}")
+    record = {"ok": ok, "budget_points": budget, "min_sqnr": min_sqnr, "max_fp32_layers": cap, "rank_by": rank_by,
               "fp32_nodes": list(chosen), "metric": last.metric, "value": last.value, "drop_points": last.drop_points,
-              "eval_images": len(data.files)}
-    final = write_quantized(cal, output_dir=out, devices=(device,), fp32_nodes=set(chosen), model_name=model_name,
-                            extra_meta={**(extra_meta or {}), "auto_mixed_precision": record})
+              "sqnr_db": _json_float(last.sqnr_db), "search_images": len(job.data.files), "final_all": final_all}
+    final = write_quantized(job.cal, output_dir=out, devices=(job.device,), fp32_nodes=set(chosen),
+                            model_name=job.model_name,
+                            extra_meta={**(job.extra_meta or {}), "auto_mixed_precision": record})
     if not ok:
-        say(f"mixed precision [{device}]: {message}")
-    return MixedResult(ok, tuple(chosen), trail, cands, final.files, final, device, budget, min_sqnr, cap,
-                       message, layers)
+        trail.say(f"mixed precision [{job.device}]: {message}")
+    return MixedResult(ok, tuple(chosen), trail.steps, cands, final.files, final, job.device, budget, min_sqnr, cap,
+                       message, layers, rank_by, len(job.data.files), base_all, final_all)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maceq.mace.cost import is_float, op_elements, op_macs
-from maceq.runtime.model import Model
 from maceq.runtime.devices import Device, device_spec
+from maceq.runtime.model import Model
 
 #: above this share of the MACs, or of the activation values written, in float, quantize warns
 FLOAT_SHARE_WARNING = 1 / 3
@@ -31,6 +31,7 @@ class FloatShare:
     fallback_ops: int  # ops that run on the fallback processor
     values: int = 0  # activation values all ops write per run
     float_values: int = 0  # those written by float ops and by the boundaries' conversions
+    boundary_values: int = 0  # values the inner Quantize/Dequantize ops convert per run
 
     @property
     def float_mac_share(self) -> float:
@@ -82,4 +83,5 @@ def float_share(model: Model, device: "Device | str") -> FloatShare:
                       sum(op_macs(op, model.consts) for op in ops if is_float(op)),
                       len(converted), transfers, fallback_ops,
                       sum(op_elements(op) for op in ops),
-                      sum(op_elements(op) for op in compute if is_float(op)) + sum(op_elements(op) for op in converted))
+                      sum(op_elements(op) for op in compute if is_float(op)) + sum(op_elements(op) for op in converted),
+                      sum(op_elements(op) for op in converted))

@@ -118,8 +118,11 @@ def _measured_gains(report: Mapping, device: str) -> list[str]:
     out = []
     for prev, step in zip(trail, trail[1:]):
         if step.get("exempted"):
-            out.append(f"{step['exempted']} in float32: {step['value'] - prev['value']:+.1f} points "
-                       f"({step['metric']}), measured")
+            db = step.get("sqnr_db"), prev.get("sqnr_db")
+            sqnr = (f", {db[0] - db[1]:+.2f} dB logits SQNR" if all(isinstance(x, (int, float)) for x in db)
+                    else "")
+            out.append(f"{step.get('kind') or 'layer'} {step['exempted']} in float32: "
+                       f"{step['value'] - prev['value']:+.1f} points ({step['metric']}){sqnr}, measured")
     return out
 
 

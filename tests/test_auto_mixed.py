@@ -1,22 +1,24 @@
 """Automatic mixed precision (app/mixed.py) on real models and photos.
 
-Checks the search's contract against independent measurements: the written model's ops (fp32
-layers really are float32 MACE ops), an independent evaluate() of the final model, the .data file
-sizes, the ranking rule, the stopping rule (budget or cap), the floor, and a rerun.
+Checks the search's contract against independent measurements: the candidates (a tensor's set is its
+producer and every consumer), the written model's ops (fp32 layers really are float32 MACE ops), an
+independent evaluate() of the final model on the search images and on all images, the greedy rule
+(the largest measured gain each round), the stopping rule (budget or cap), the floor, and a rerun.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
 import pytest
 
+from maceq.app.mixed import auto_mixed_precision, holdout_split
+from maceq.app.pipeline import calibrate
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
-from maceq.app.mixed import auto_mixed_precision, holdout_split
-from maceq.app.pipeline import calibrate
 from maceq.reports.evaluate import evaluate
 from maceq.runtime import load
 
@@ -33,41 +35,54 @@ def eval_photos(shared_data, n):
     return ImageFolder(shared_data / "photos" / "eval", PRESETS["imagenet"], labels=None, limit=n)
 
 
-def check_search(r, *, budget, cap, device):
+def check_search(r, *, budget, cap, device, rank_by="sqnr"):
     """The invariants every search result satisfies, checked on the trail and the written files."""
     chosen = list(r.fp32_nodes)
-    # ranking: ascending isolated SQNR (floor first), ties by name; the search follows it in order
-    keys = [(not c.below_floor, c.sqnr_db, c.node) for c in r.candidates]
-    assert keys == sorted(keys)
-    assert chosen == [c.node for c in r.candidates[:len(chosen)]]
-    iso = {L.node: L.isolated.sqnr_db for L in r.layers}
-    assert all(c.sqnr_db == iso[c.node] for c in r.candidates)
-    # trail: one measured model per step, each adding the next layer
-    assert [s.step for s in r.trail] == list(range(len(chosen) + 1))
-    assert r.trail[0].exempted is None and r.trail[0].reason == "baseline" and r.trail[0].n_fp32 == 0
-    assert [s.exempted for s in r.trail[1:]] == chosen
-    assert [s.n_fp32 for s in r.trail] == list(range(len(chosen) + 1))
+    g = r.result.graph
+    prod, cons = g.producers(), g.consumers()
+    # candidates: a tensor's set is its producer and every consumer; an op's is the op alone; no set twice
+    for c in r.candidates:
+        if c.kind == "tensor":
+            want = ({prod[c.name].name} if c.name in prod else set()) | {n.name for n in cons.get(c.name, [])}
+            assert set(c.nodes) >= want - set(r.trail[0].fp32_nodes)
+        else:
+            assert c.nodes == (c.name,)
+    assert len({c.nodes for c in r.candidates}) == len(r.candidates)
+    # trail: step 0 all int8; each step adds its candidate's nodes; the fp32 set is the union so far
+    assert [s.step for s in r.trail] == list(range(len(r.trail)))
+    assert r.trail[0].candidate is None and r.trail[0].reason == "baseline" and r.trail[0].n_fp32 == 0
+    added = [n for s in r.trail[1:] for n in s.nodes]
+    assert added == chosen and len(set(chosen)) == len(chosen)
+    assert all(s.fp32_nodes == tuple(sorted(added[:k])) and s.n_fp32 == k
+               for s, k in zip(r.trail, [0, *itertools.accumulate(len(s.nodes) for s in r.trail[1:])]))
+    assert cap is None or len(chosen) <= cap
     assert all(s.drop_points == pytest.approx(s.float_value - s.value) for s in r.trail)
     assert all(s.within_budget == (s.drop_points <= budget + 1e-9) for s in r.trail)
-    # stopping rule: keep going while over budget; stop at the budget or at the cap
-    n_floor = sum(c.below_floor for c in r.candidates)
-    assert all(not s.within_budget or i < n_floor for i, s in enumerate(r.trail[:-1]))
+    # greedy steps: the chosen candidate has the largest measured gain of its round, measured against the step before
+    for prev, s in zip(r.trail, r.trail[1:]):
+        if s.reason != "budget":
+            continue
+        key = "gain_db" if rank_by == "sqnr" else "gain_points"
+        gains = [m[key] for m in s.measured]
+        assert s.gain == pytest.approx(max(gains)) and s.measured[0]["name"] == s.candidate
+        own = s.sqnr_db - prev.sqnr_db if rank_by == "sqnr" else s.value - prev.value
+        assert s.gain == pytest.approx(own) and s.gain > 0
+        assert not prev.within_budget  # the search goes on only while over budget
+        if len(gains) > 1:
+            assert s.runner_up["name"] == s.measured[1]["name"] and s.runner_up["gain"] <= s.gain
+        assert s.boundaries >= 1 and s.est_cost_pct > 0
     if r.ok:
-        assert r.trail[-1].within_budget and len(chosen) >= n_floor and r.message == ""
+        assert r.trail[-1].within_budget and r.message == ""
     else:
-        assert len(chosen) == cap and f"--max-fp32-layers {cap} reached" in r.message
-    # float32 weights take 4 bytes where uint8 take 1: the .data file grows with each exempted conv/FC
-    sizes = [s.data_bytes for s in r.trail]
-    g = r.result.graph
-    weighted = {n.name for n in g.nodes if any(i and g.is_const(i) for i in n.inputs)}
-    assert all(b > a if s.exempted in weighted else b == a for a, b, s in zip(sizes, sizes[1:], r.trail[1:]))
-    assert os.path.getsize(r.files.data) == sizes[-1]
-    # the written model: chosen layers are float32 MACE ops, the other candidates stay uint8
+        assert r.message
+    assert os.path.getsize(r.files.data) == r.trail[-1].data_bytes
+    # the written model: chosen ops are float32 MACE ops
     model = load(r.files.yml)
     t_of = {op.name: op.arg("T") for op in model.ops}
-    assert all(t_of[n] == DT_FLOAT for n in chosen)
-    assert all(t_of.get(c.node, t_of.get("mace_output_node_" + c.node)) == DT_UINT8
-               for c in r.candidates[len(chosen):])
+    for n in chosen:
+        t = t_of.get(n, t_of.get("mace_output_node_" + n))
+        assert t in (None, DT_FLOAT)
+    assert any(t_of.get(n) == DT_FLOAT for n in chosen) or not chosen
     assert model.maceq_meta["fp32_layers"] == sorted(chosen) and model.maceq_meta["device"] == device
     rec = model.maceq_meta["auto_mixed_precision"]
     assert rec["ok"] == r.ok and rec["fp32_nodes"] == chosen and rec["value"] == r.trail[-1].value
@@ -79,28 +94,32 @@ def check_search(r, *, budget, cap, device):
 
 
 def test_mobilenet_v2_cpu_budget_or_cap(mnv2_cal, shared_data, tmp_path):
-    data = eval_photos(shared_data, 16)
-    r = auto_mixed_precision(mnv2_cal, output_dir=tmp_path, eval_data=data, budget_points=10.0, max_fp32_layers=5,
-                             device="cpu", progress=False)
-    model = check_search(r, budget=10.0, cap=5, device="cpu")
+    data = eval_photos(shared_data, 8)
+    r = auto_mixed_precision(mnv2_cal, output_dir=tmp_path, eval_data=data, budget_points=10.0, max_fp32_layers=4,
+                             device="cpu", progress=False, shortlist=4)
+    model = check_search(r, budget=10.0, cap=4, device="cpu")
     assert r.trail[0].metric == "top1_agreement" and r.trail[0].float_value == 100.0
-    # an independent evaluation of the final written model gives the last step's metric
+    assert r.search_images == 8 and r.final_all is None  # the search measured every image
+    # an independent evaluation of the final written model gives the last step's metric and SQNR
     ev = evaluate(model, mnv2_cal.onnx_path, data, device="cpu", progress=False)
-    assert 100.0 * ev.top1_agreement == r.trail[-1].value
+    assert 100.0 * ev.top1_agreement == r.trail[-1].value and ev.sqnr_db == r.trail[-1].sqnr_db
     assert not list(tmp_path.glob(".maceq-search-*"))  # the scratch models are removed
-    # a rerun on the same images with a cap of 2 takes the same first decisions, with the same metrics
-    again = auto_mixed_precision(mnv2_cal, output_dir=tmp_path / "again", eval_data=data, budget_points=10.0,
-                                 max_fp32_layers=2, device="cpu", progress=False)
-    assert [c.to_dict() for c in again.candidates] == [c.to_dict() for c in r.candidates]
-    if len(r.fp32_nodes) >= 2:
-        assert again.fp32_nodes == r.fp32_nodes[:2] and again.trail == r.trail[:3]
+    # fewer search images than eval images: the final model and the all-int8 one are evaluated on all of them
+    more = eval_photos(shared_data, 10)
+    part = auto_mixed_precision(mnv2_cal, output_dir=tmp_path / "part", eval_data=more, budget_points=10.0,
+                                max_fp32_layers=2, device="cpu", progress=False, shortlist=3, search_images=8)
+    assert part.search_images == 8 and part.final_all["images"] == 10
+    ev = evaluate(load(part.files.yml), mnv2_cal.onnx_path, more, device="cpu", progress=False)
+    assert part.final_all["value"] == 100.0 * ev.top1_agreement and part.final_all["sqnr_db"] == ev.sqnr_db
+    assert part.trail[0].to_dict() == r.trail[0].to_dict()  # the same first 8 images
+    check_search(part, budget=10.0, cap=2, device="cpu")
 
 
 def test_mobilenet_v2_dsp_budget_or_cap(mnv2_cal, shared_data, tmp_path):
-    data = eval_photos(shared_data, 8)
+    data = eval_photos(shared_data, 4)
     r = auto_mixed_precision(mnv2_cal, output_dir=tmp_path, eval_data=data, budget_points=10.0, max_fp32_layers=2,
-                             device="dsp", progress=False)
-    model = check_search(r, budget=10.0, cap=2, device="dsp")
+                             device="dsp", progress=False, shortlist=3, rank_by="metric")
+    model = check_search(r, budget=10.0, cap=2, device="dsp", rank_by="metric")
     ev = evaluate(model, mnv2_cal.onnx_path, data, device="dsp", progress=False)
     assert 100.0 * ev.top1_agreement == r.trail[-1].value
 
@@ -123,15 +142,18 @@ def test_floor_first_cap_and_rerun(fmnist, tmp_path):
                                  device="cpu", progress=False)
     assert plain.ok and plain.fp32_nodes == () and len(plain.trail) == 1  # within 100 points at once
     assert plain.trail[0].metric == "accuracy"  # the eval folder has labels
-    # a floor between the 3rd and 4th most damaging layers: those three are exempted first, and no more
-    ranked = plain.candidates
-    floor_db = (ranked[2].sqnr_db + ranked[3].sqnr_db) / 2
+    # ops by isolated SQNR; a floor between the 3rd and 4th: those three go first, one step each, and no more
+    worst = {}
+    for L in plain.layers:
+        worst[L.node] = min(worst.get(L.node, float("inf")), L.isolated.sqnr_db)
+    ranked = sorted(worst, key=lambda n: (worst[n], n))
+    floor_db = (worst[ranked[2]] + worst[ranked[3]]) / 2
     runs = [auto_mixed_precision(cal, output_dir=tmp_path / f"floor{k}", eval_data=data, budget_points=100.0,
                                  min_sqnr=floor_db, device="cpu", progress=False) for k in range(2)]
     r = runs[0]
-    assert r.ok and list(r.fp32_nodes) == [c.node for c in ranked[:3]]
-    assert [c.below_floor for c in r.candidates] == [True] * 3 + [False] * (len(ranked) - 3)
-    assert all(s.reason == "below_min_sqnr" for s in r.trail[1:])
+    assert r.ok and list(r.fp32_nodes) == ranked[:3]
+    assert [c.name for c in r.candidates if c.below_floor] == ranked[:3]
+    assert all(s.reason == "below_min_sqnr" and s.kind == "op" for s in r.trail[1:])
     check_search(r, budget=100.0, cap=None, device="cpu")
     # a rerun on the same input takes the same decisions and writes the same model
     assert runs[1].to_dict() == r.to_dict()
@@ -139,7 +161,7 @@ def test_floor_first_cap_and_rerun(fmnist, tmp_path):
         (tmp_path / "floor1" / "fmnist_mobilenet.data").read_bytes()
     capped = auto_mixed_precision(cal, output_dir=tmp_path / "capped", eval_data=data, budget_points=100.0,
                                   min_sqnr=floor_db, max_fp32_layers=1, device="cpu", progress=False)
-    assert not capped.ok and capped.fp32_nodes == (ranked[0].node,)
+    assert not capped.ok and capped.fp32_nodes == (ranked[0],)
     assert capped.message == f"--max-fp32-layers 1 reached with 2 layer(s) below --min-sqnr {floor_db:g} dB still int8"
     check_search(capped, budget=100.0, cap=1, device="cpu")
 
@@ -159,3 +181,7 @@ def test_holdout_split_and_bad_arguments(fmnist, shared_data, tmp_path):
                              progress=False)
     with pytest.raises(MaceqError, match="unknown device 'npu'"):
         auto_mixed_precision(cal, output_dir=tmp_path, eval_data=data, budget_points=1, device="npu", progress=False)
+    for kw, flag in (({"rank_by": "dB"}, "--rank-by"), ({"shortlist": 0}, "--shortlist"),
+                     ({"search_images": 0}, "--search-images")):
+        with pytest.raises(MaceqError, match=flag):
+            auto_mixed_precision(cal, output_dir=tmp_path, eval_data=data, budget_points=1, progress=False, **kw)

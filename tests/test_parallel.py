@@ -22,6 +22,7 @@ import onnxruntime as ort
 import pytest
 
 import maceq
+from maceq.app.pipeline import calibrate
 from maceq.calibrate.methods import RangeMethod, compute_range
 from maceq.calibrate.parallel import Executor, collect_parallel, shard_ranges
 from maceq.calibrate.runner import collect
@@ -30,7 +31,6 @@ from maceq.datasets.images import ImageFolder, UnreadableImageWarning, load_imag
 from maceq.datasets.labels import FASHION_MNIST_CLASSES
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
-from maceq.app.pipeline import calibrate
 from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
 
 NUM_BINS = 2048
@@ -255,27 +255,44 @@ def demo():
     def run(out, **kw):
         return auto_mixed_precision(cal, output_dir=out, eval_data=data, budget_points=0.0, device="cpu",
                                     progress=False, **kw)
+    run.data = data
     return cal, run
 
 
 def test_mixed_precision_on_ray_equals_sequential(demo, ray_cluster, tmp_path):
+    from maceq.app.mixed import _EvalJob, _measure_task, greedy
+    from maceq.calibrate.parallel import TaskPool
+
     cal, run = demo
-    # a floor above every layer: the search exempts candidates in rank order up to the cap
+    # a floor above every op: the search keeps ops in float32 one measured step at a time, up to the cap
     seq = run(tmp_path / "seq", min_sqnr=1000.0, max_fp32_layers=3)
     assert [s.step for s in seq.trail] == [0, 1, 2, 3] and not seq.ok
     par = run(tmp_path / "ray", min_sqnr=1000.0, max_fp32_layers=3, executor="ray", workers=2)
     assert par.to_dict() == seq.to_dict()
     assert (tmp_path / "ray" / "fmnist_mobilenet.data").read_bytes() == \
         (tmp_path / "seq" / "fmnist_mobilenet.data").read_bytes()
-    # a floor under the first candidate only: the first wave measures 2 models, the search may stop after 1
-    ranked = seq.candidates
-    floor_db = (ranked[0].sqnr_db + ranked[1].sqnr_db) / 2
-    seq1 = run(tmp_path / "seq1", min_sqnr=floor_db, max_fp32_layers=3)
-    par1 = run(tmp_path / "ray1", min_sqnr=floor_db, max_fp32_layers=3, executor="ray", workers=2)
-    assert par1.to_dict() == seq1.to_dict() and seq1.fp32_nodes[:1] == (ranked[0].node,)
-    # local processes give the same search
     loc = run(tmp_path / "loc", min_sqnr=1000.0, max_fp32_layers=3, executor="local", workers=2)
     assert loc.to_dict() == seq.to_dict()
+    # the greedy rounds: every shortlisted candidate measured at once on the pool, decided here, equal the
+    # one-after-another search (a budget below 0 keeps it going until the cap or no gain)
+    plain = run(tmp_path / "plain", shortlist=6)
+    short = [c for c in plain.candidates if not c.below_floor]
+    assert len(short) == 6 and {c.kind for c in short} == {"op", "tensor"}
+    job = _EvalJob(cal, run.data, "cpu", 8, None, None)
+    start = _measure_task(job, ())
+    assert (start.value, start.sqnr_db, start.data_bytes) == \
+        (plain.trail[0].value, plain.trail[0].sqnr_db, plain.trail[0].data_bytes)
+
+    def here(sets):
+        return [_measure_task(job, s) for s in sets]
+    one = greedy(short, here, start=start, budget=-1.0, cap=4)
+    for executor in ("ray", "local"):
+        with TaskPool(job, executor=executor, workers=2) as pool:
+            many = greedy(short, lambda sets: pool.map(_measure_task, sets), start=start, budget=-1.0, cap=4)
+        assert many.chosen == one.chosen and many.message == one.message
+        assert [(r.candidate, r.measured, [(g, c) for g, c, _ in r.scored]) for r in many.rounds] == \
+            [(r.candidate, r.measured, [(g, c) for g, c, _ in r.scored]) for r in one.rounds]
+    assert one.rounds and len(one.rounds[0].scored) == 6
 
 
 @pytest.mark.parametrize("workers", [2, 3])
