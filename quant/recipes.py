@@ -6,7 +6,8 @@ flags win over it (quant/config.py). ``--preset`` is a different thing: preproce
 =========  ====================================================================================
 default    nothing: the converter's behaviour (percentile ranges, no recovery step)
 accurate   the best combination measured (bench/accuracy.py, docs/recovery.md, docs/adaround.md):
-           cross-layer equalization with high-bias absorption, mse ranges, AdaRound (adaptive
+           cross-layer equalization with high-bias absorption, ranges chosen by their consumers'
+           error (mse where a tensor has other readers), AdaRound (adaptive
            weight rounding), then empirical bias correction
 =========  ====================================================================================
 """
@@ -24,7 +25,7 @@ RECIPES = MappingProxyType({
     "accurate": MappingProxyType({
         "cle": True,
         "high_bias_absorption": True,
-        "range_method": RangeMethod.MSE,
+        "range_method": RangeMethod.CONSUMER,
         "bias_correction": True,
         "adaround": True,
     }),

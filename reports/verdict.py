@@ -135,7 +135,7 @@ def _advice(report: Mapping, device: str, worst: list[dict]) -> list[str]:
         tips.append("keep in float32 what the 8-bit weight grid cannot compute: " + "; ".join(
             f"--fp32 {c['layer']} (its weights' rounding alone leaves {c['sqnr_db']:.1f} dB)" for c in collapsed))
     if not steps & {"cross-layer equalization", "bias correction"}:
-        tips.append("--recipe accurate: cross-layer equalization, mse ranges, AdaRound and bias correction, the "
+        tips.append("--recipe accurate: cross-layer equalization, consumer-chosen ranges, AdaRound and bias correction, the "
                     "combination bench/accuracy.py measured best")
     elif method == "percentile" and any(w["range_method"] == "percentile" for w in worst):
         tips.append("--range-method mse: the costliest tensors use percentile clipping")

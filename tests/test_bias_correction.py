@@ -153,7 +153,7 @@ def test_correction_is_what_the_written_model_computes(fmnist_cal, shared_data, 
 
 def test_recipe_precedence_and_errors():
     c = config_from_dict({"recipe": "accurate", "bias_correction": False})
-    assert (c.cle, c.high_bias_absorption, c.bias_correction, c.range_method.value) == (True, True, False, "mse")
+    assert (c.cle, c.high_bias_absorption, c.bias_correction, c.range_method.value) == (True, True, False, "consumer")
     assert c.adaround and not QuantConfig().adaround
     c = QuantConfig().with_cli(cle=False).with_recipe("accurate")
     assert (c.cle, c.bias_correction) == (False, True)
@@ -172,15 +172,15 @@ def test_cli_recipe_records_the_steps(tmp_path, capsys):
     assert "cross-layer equalization:" in text and "bias correction [cpu]:" in text and "adaround [cpu]:" in text
     rep = json.loads((out / "report.json").read_text())
     steps = [s["step"] for s in rep["recovery"]]
-    assert steps == ["cross-layer equalization", "adaround", "bias correction"]
+    assert steps == ["cross-layer equalization", "consumer ranges", "adaround", "bias correction"]
     meta = load(out / "fmnist_mobilenet.yml").maceq_meta
-    assert [s["step"] for s in meta["recovery"]] == steps and meta["range_method"] == "mse"
+    assert [s["step"] for s in meta["recovery"]] == steps and meta["range_method"] == "consumer"
     # an explicit flag wins over the recipe
     out2 = tmp_path / "nobc"
     assert quantize_main(["-q", "-o", str(out2), "--max-images", "32", "--recipe", "accurate",
                           "--no-bias-correction", "--no-report"]) == 0
     assert [s["step"] for s in load(out2 / "fmnist_mobilenet.yml").maceq_meta["recovery"]] == [
-        "cross-layer equalization", "adaround"]
+        "cross-layer equalization", "consumer ranges", "adaround"]
     capsys.readouterr()
     assert quantize_main(["-q", "-o", str(tmp_path / "x"), "--recipe", "fast"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
