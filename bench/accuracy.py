@@ -3,8 +3,8 @@
     python bench/accuracy.py [--models mobilenet_v2,efficientnet_lite0,fmnist] [--devices cpu,dsp,gpu]
                              [--rows 0,4,ort] [--calib-images 64] [--json out.json]
 
-maceq rows (0-4): each adds one technique to the row above (the last adds bias correction and AdaRound); the
-last one is ``--recipe accurate``.
+maceq rows (0-4): each adds one technique to the row above (the last replaces mse ranges by consumer-chosen ones
+and adds AdaRound and bias correction); the last one is ``--recipe accurate``.
 Calibration runs once per row and model; the devices share it (bias correction is per device).
 
 onnxruntime rows (5-8): ``onnxruntime.quantization.quantize_static`` on the same calibration images, read
@@ -95,7 +95,7 @@ ROWS = [
     Row("+ mse ranges", maceq=_MSE),
     Row("+ cross-layer equalization", maceq={**_MSE, "cle": True}),
     Row("+ high-bias absorption", maceq={**_MSE, "cle": True, "high_bias_absorption": True}),
-    Row("+ bias correction and AdaRound (= accurate)", maceq=recipe_settings("accurate")),
+    Row("+ consumer ranges, AdaRound, bias correction (= accurate)", maceq=recipe_settings("accurate")),
     Row("onnxruntime quantize_static per-tensor",
         ort={"per_channel": False, "weight_type": "uint8", "method": "minmax"}),
     Row("onnxruntime quantize_static per-channel",
