@@ -15,7 +15,8 @@ range can resolve, and no choice of activation ranges recovers. ``quantize`` war
 and the ``--fp32`` flag that keeps it in float, and records the figures in each device's ``.yml``
 (``maceq: weight_grid``).
 
-The figure is the weights' share of the error only: the activations' rounding comes on top, and the
+Where AdaRound ran (``Calibration.device_weights``), the grid values it chose are measured instead of
+round-to-nearest. The figure is the weights' share of the error only: the activations' rounding comes on top, and the
 gpu's per-channel grid is usually finer than the per-tensor grids of cpu and dsp.
 """
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _layers(g: Graph, placement: dict) -> list[Node]:
             and len(n.inputs) > 1 and g.is_const(n.inputs[1]) and not g.is_const(n.inputs[0])]
 
 
-def _probe_model(g: Graph, layers: dict[Device, list[Node]]):
+def _probe_model(g: Graph, layers: dict[Device, list[Node]], chosen: dict):
     """The float graph plus, per (device, layer), the layer with its weights on the device's grid
     (bias and fused activation kept), its difference from the float output and the two sums of squares.
 
@@ -102,7 +103,8 @@ def _probe_model(g: Graph, layers: dict[Device, list[Node]]):
         for n in nodes_of:
             w = g.const(n.inputs[1])
             tag = f"{n.name}__maceq_grid_{device.value}"
-            wq = device_grid(w, device, _out_axis(n)).astype(np.float32)
+            picked = (chosen.get(device.value) or {}).get(n.name)  # AdaRound's grid values, where it ran
+            wq = np.asarray(picked if picked is not None else device_grid(w, device, _out_axis(n)), np.float32)
             inits.append(numpy_helper.from_array(wq, tag + "_w"))
             twin = Node(tag, n.op_type, [n.inputs[0], tag + "_w", *n.inputs[2:]], [tag + "_y"], dict(n.attrs))
             nodes.extend(onnx_nodes(twin, opset=g.opset))
@@ -128,7 +130,7 @@ def weight_grid_losses(cal, devices, *, fp32=frozenset(), images: int = GRID_IMA
         layers[d] = _layers(g, placement)
     if not any(layers.values()) or cal.calib_dir is None:
         return []
-    model, fetch = _probe_model(g, layers)
+    model, fetch = _probe_model(g, layers, getattr(cal, "device_weights", None) or {})
     in_name = g.inputs[0].name
     runner = BatchedSession(make_session(model, optimize=False), in_name)
     names = list(dict.fromkeys([f[2] for f in fetch] + [f[3] for f in fetch]))

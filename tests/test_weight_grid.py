@@ -97,6 +97,15 @@ def test_device_grid_is_what_the_builder_writes():
     np.testing.assert_allclose(np.abs(g1).max(axis=0), np.abs(gemm).max(axis=0), rtol=1e-6)
 
 
+def test_adaround_s_grid_values_are_what_is_measured(cal):
+    """Where AdaRound ran, its weights are measured: here its 'choice' is the float weights themselves (no error)."""
+    from dataclasses import replace
+    w = np.asarray(cal.graph.const(next(n for n in cal.graph.nodes if n.name == "c2").inputs[1]))
+    chosen = replace(cal, device_weights={"cpu": {"c2": w.copy()}})
+    by = {(r.origin, r.device.value): r.sqnr_db for r in weight_grid_losses(chosen, ("cpu", "dsp"))}
+    assert by[("c2", "cpu")] == math.inf and by[("c2", "dsp")] < COLLAPSE_DB
+
+
 def test_fp32_layers_are_not_measured(cal):
     losses = weight_grid_losses(cal, ("cpu",), fp32={"c2"})
     assert [r.origin for r in losses] == ["c1"]
