@@ -171,8 +171,9 @@ def collapse_warnings(losses: list[GridLoss], *, threshold_db: float = COLLAPSE_
 def grid_meta(losses: list[GridLoss], device: Device, *, worst: int = 5) -> dict:
     """The ``.yml`` record for one device: the layers below the threshold and the worst few figures."""
     rows = [r for r in losses if r.device == device]
-    def entry(r):
-        return {"layer": r.origin, "node": r.node, "op": r.op_type, "sqnr_db": round(r.sqnr_db, 2)}
+    def entry(r):  # no error at all (inf) is written as null: report.json is strict JSON
+        db = round(r.sqnr_db, 2) if math.isfinite(r.sqnr_db) else None
+        return {"layer": r.origin, "node": r.node, "op": r.op_type, "sqnr_db": db}
     return {"threshold_db": COLLAPSE_DB, "layers_measured": len(rows),
             "collapsed": [entry(r) for r in rows if r.sqnr_db < COLLAPSE_DB],
             "worst": [entry(r) for r in rows[:worst]]}

@@ -115,7 +115,7 @@ def test_cli_auto_mode_flags(tmp_path, capsys, shared_data):
                         "--accuracy-budget", "0", "--max-fp32-layers", "1", "--min-sqnr", "60", "-o",
                         str(tmp_path / "b"), "-q"])
     out, err = capsys.readouterr()
-    assert "step 0: (all layers uint8)" in out and "step 1:" in out
+    assert "step 0: (all int8)" in out and "step 1:" in out
     assert rc == 3 and "--max-fp32-layers 1" in err
     assert (tmp_path / "b" / "fmnist_mobilenet.yml").is_file()  # the capped model is still written
     # the trade-off (metric vs fp32 layers vs weight bytes) is recorded in report.json and plotted in the page

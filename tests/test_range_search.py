@@ -333,4 +333,4 @@ def test_config_and_cli_accept_the_new_names(capsys):
     assert c.method_for("/head/logits") == (RangeMethod.KL, 99.99)
     with pytest.raises(SystemExit):
         quantize_main(["--help"])
-    assert "{min_max,percentile,mse,kl}" in capsys.readouterr().out
+    assert "{min_max,percentile,mse,kl,consumer}" in capsys.readouterr().out
