@@ -34,15 +34,14 @@ import sys
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from tqdm import tqdm
-
 from maceq.app.bias_correction import _Layer, _layers, ir_layout, mace_layout
-from maceq.calibrate.runner import expose_outputs, make_session
+from maceq.calibrate.runner import BatchedSession, expose_outputs, make_session
 from maceq.errors import MaceqError
 from maceq.quant.build import check_supported
 from maceq.quant.ir import Graph
 from maceq.quant.scheme import scheme_for
 from maceq.runtime.devices import Device
+from tqdm import tqdm
 
 __all__ = ["AdaRoundResult", "RoundingProblem", "adaround", "check_options", "conv_gram", "gram_matrices",
            "layer_problem", "loss_and_grad", "low_rank_factor", "optimize", "optimize_v", "rectified_sigmoid",
@@ -303,13 +302,14 @@ def gram_matrices(graph: Graph, layers: list[_Layer], batches, *, max_positions:
     """(``X X^T`` per group of each layer's float input, from onnxruntime on ``graph``; the images read)."""
     in_name = graph.inputs[0].name
     names = [t for t in dict.fromkeys(lay.x for lay in layers) if t != in_name]
-    sess = make_session(expose_outputs(graph.to_onnx(), names), optimize=False)
+    # a model that fixes its batch gets the batches in chunks it takes
+    sess = BatchedSession(make_session(expose_outputs(graph.to_onnx(), names), optimize=False), in_name)
     grams: dict[str, np.ndarray] = {}
     rngs = {lay.node: np.random.default_rng([seed, i]) for i, lay in enumerate(layers)}
     n_img = 0
     for batch in tqdm(batches, desc="adaround inputs", unit="batch", leave=False,
                       disable=not progress or not sys.stderr.isatty()):
-        got = dict(zip(names, sess.run(names, {in_name: batch.data})))
+        got = dict(zip(names, sess.run(names, {in_name: batch.data}, what="the float model (adaround inputs)")))
         got[in_name] = batch.data
         n_img += batch.data.shape[0]
         for lay in layers:

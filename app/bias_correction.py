@@ -38,9 +38,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
-from tqdm import tqdm
-
-from maceq.calibrate.runner import expose_outputs, make_session
+from maceq.calibrate.runner import BatchedSession, expose_outputs, make_session
 from maceq.errors import MaceqError
 from maceq.quant.build import check_supported, select_nodes
 from maceq.quant.export import write_quantized
@@ -49,6 +47,7 @@ from maceq.quant.scheme import scheme_for
 from maceq.runtime import load
 from maceq.runtime.devices import Device
 from maceq.runtime.qtypes import QInfo
+from tqdm import tqdm
 
 __all__ = ["BiasCorrection", "correct_biases", "dequantized_weights", "tap_means"]
 
@@ -211,13 +210,14 @@ def _float_sums(cal, layers: list[_Layer], batches, kernel_sizes) -> tuple[dict,
     """Per layer: the sum of the float model's tap means of its input over ``batches``, and the count."""
     want = list(dict.fromkeys(lay.x for lay in layers))
     names = [t for t in want if t != cal.graph.inputs[0].name]
-    sess = make_session(expose_outputs(cal.graph.to_onnx(), names), optimize=False)
+    sess = BatchedSession(make_session(expose_outputs(cal.graph.to_onnx(), names), optimize=False),
+                          cal.graph.inputs[0].name)  # a model that fixes its batch gets chunks it takes
     sums = {lay.node: 0.0 for lay in layers}
     counts = {lay.node: 0 for lay in layers}
     n_img = 0
     for batch in batches:
         x = batch.data
-        got = dict(zip(names, sess.run(names, {cal.graph.inputs[0].name: x})))
+        got = dict(zip(names, sess.run(names, {cal.graph.inputs[0].name: x}, what="the float model (bias correction)")))
         got[cal.graph.inputs[0].name] = x
         n_img += x.shape[0]
         for lay in layers:
