@@ -1,6 +1,7 @@
 """Command-line entry points: ``quantize`` and ``maceq run|eval|inspect``.
 
-Bad input prints one line, ``error: ...``, and exits with status 2; no traceback.
+Bad input prints one line, ``error: ...``, and exits with status 2; no traceback. An unexpected exception (a
+defect of maceq) prints one line too and exits with 70; ``MACEQ_DEBUG=1`` lets its traceback through.
 """
 from __future__ import annotations
 
@@ -143,6 +144,13 @@ def _run_cli(fn, argv):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except Exception as e:  # noqa: BLE001 - a defect of maceq: one line, not a traceback (MACEQ_DEBUG=1 shows it)
+        if os.environ.get("MACEQ_DEBUG"):
+            raise
+        first = " ".join(str(e).split())[:300]
+        print(f"error: internal error ({type(e).__name__}: {first}); please report it with the command and model "
+              f"(MACEQ_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 70
 
 
 # -- quantize ------------------------------------------------------------------------

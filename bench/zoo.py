@@ -279,6 +279,11 @@ def error_line(text: str, rc: int | None) -> str:
     return last_line("\n".join(lines)) or f"exit status {rc}"
 
 
+def _defect(text: str) -> bool:
+    """A maceq defect: a Python traceback, or the CLI's one-line report of an unexpected exception."""
+    return "Traceback (most recent call last)" in text or "error: internal error (" in text
+
+
 def run_quantize(net: Net, model: Path, out: Path, args, row: Row) -> bool:
     """quantize the net for every device; fills row.quantized/phase/float_share/warnings; True on success."""
     shutil.rmtree(out, ignore_errors=True)
@@ -290,7 +295,7 @@ def run_quantize(net: Net, model: Path, out: Path, args, row: Row) -> bool:
     lines = clean_lines(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quantize.log").write_text("$ " + " ".join(cmd) + "\n" + "\n".join(lines) + "\n")
-    if "Traceback (most recent call last)" in text:
+    if _defect(text):
         row.tracebacks.append({"command": "quantize", "tail": lines[-12:]})
     row.warnings += sorted({ln.strip() for ln in lines if ln.strip().startswith("warning:")})
     for ln in lines:
@@ -327,7 +332,7 @@ def run_eval(net: Net, model: Path, out: Path, device: str, images: Path, args, 
         except subprocess.TimeoutExpired:
             metrics = {"error": f"eval --task {task} timeout after {args.timeout:.0f} s"}
             break
-        if "Traceback (most recent call last)" in proc.stderr + proc.stdout:
+        if _defect(proc.stderr + proc.stdout):
             row.tracebacks.append({"command": f"maceq eval --task {task} ({device})",
                                    "tail": proc.stderr.splitlines()[-12:]})
         if proc.returncode != 0 or not js.exists():

@@ -130,3 +130,20 @@ def test_hostile_inputs_get_one_line_and_no_traceback(tool, argv, needle, tmp_pa
     err = _one_line_error(capsys)
     assert rc == 2 and needle in err and "Traceback" not in err
     assert not (t / "out").exists()
+
+
+def test_an_unexpected_exception_is_one_line_and_exit_70(monkeypatch, capsys):
+    """A defect inside maceq still never prints a traceback; MACEQ_DEBUG=1 lets it through."""
+    from maceq.app import cli
+
+    def broken(argv):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.delenv("MACEQ_DEBUG", raising=False)
+    assert cli._run_cli(broken, []) == 70
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: internal error (RuntimeError: boom second line); please report it with the command and "
+                   "model (MACEQ_DEBUG=1 shows the traceback)"]
+    monkeypatch.setenv("MACEQ_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="boom"):
+        cli._run_cli(broken, [])
