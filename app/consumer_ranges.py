@@ -26,7 +26,7 @@ from onnx import helper, numpy_helper
 from tqdm import tqdm
 
 from maceq.calibrate.methods import RangeMethod, compute_range
-from maceq.calibrate.runner import BatchedSession, make_session
+from maceq.calibrate.runner import summed_outputs
 from maceq.datasets.images import ImageFolder
 from maceq.quant.ir import Graph, Node, onnx_nodes, sum_squares_per_sample
 from maceq.quant.scheme import adjust_range
@@ -115,15 +115,10 @@ def consumer_ranges(g: Graph, stats, tensors, *, calib_dir, preprocess, batch_si
     cands = {t: range_candidates(stats[t]) for t in scored}
     model, fetch = _probe_model(g, scored, cands)
     in_name = g.inputs[0].name
-    runner = BatchedSession(make_session(model, optimize=False), in_name)
-    names = list(fetch.values())
-    cost = dict.fromkeys(names, 0.0)
     data = ImageFolder(calib_dir, preprocess, labels=None, limit=images)
     bar = tqdm(total=min(images, len(data)), desc="consumer ranges", unit="img", disable=not progress, leave=False)
-    for batch in data.iter_batches(batch_size):
-        for name, v in zip(names, runner.run(names, {in_name: batch.data})):
-            cost[name] += float(np.asarray(v, dtype=np.float64).sum())
-        bar.update(len(batch.data))
+    cost = summed_outputs(model, list(fetch.values()), data.iter_batches(batch_size), input_name=in_name,
+                          report=bar.update)
     bar.close()
     changed = 0
     for t in scored:

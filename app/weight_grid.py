@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import helper, numpy_helper
 
-from maceq.calibrate.runner import BatchedSession, make_session
+from maceq.calibrate.runner import summed_outputs
 from maceq.datasets.images import ImageFolder
 from maceq.quant.build import check_supported, select_nodes
 from maceq.quant.ir import Graph, Node, onnx_nodes, sum_squares_per_sample
@@ -132,13 +132,9 @@ def weight_grid_losses(cal, devices, *, fp32=frozenset(), images: int = GRID_IMA
         return []
     model, fetch = _probe_model(g, layers, getattr(cal, "device_weights", None) or {})
     in_name = g.inputs[0].name
-    runner = BatchedSession(make_session(model, optimize=False), in_name)
-    names = list(dict.fromkeys([f[2] for f in fetch] + [f[3] for f in fetch]))
-    sums = dict.fromkeys(names, 0.0)
     data = ImageFolder(cal.calib_dir, cal.preprocess, labels=None, limit=images)
-    for batch in data.iter_batches(cal.config.batch_size):
-        for name, v in zip(names, runner.run(names, {in_name: batch.data})):
-            sums[name] += float(np.asarray(v, dtype=np.float64).sum())
+    sums = summed_outputs(model, [f[2] for f in fetch] + [f[3] for f in fetch],
+                          data.iter_batches(cal.config.batch_size), input_name=in_name)
     out = [GridLoss(n.name, _origin(n), n.op_type, d, _sqnr_db(sums[s], sums[e])) for d, n, s, e in fetch]
     return sorted(out, key=lambda r: (r.sqnr_db, r.device.value, r.node))
 

@@ -54,7 +54,7 @@ from maceq.errors import MaceqError
 from maceq.yamlio import one_line
 
 __all__ = ["BatchedSession", "FETCH_BYTES", "as_model_proto", "collect", "expose_outputs", "fixed_batch", "load_onnx",
-           "make_session", "redeclare_input"]
+           "make_session", "redeclare_input", "summed_outputs"]
 
 #: Bytes of activations one onnxruntime run of :func:`collect` fetches, at most (at least one sample's).
 FETCH_BYTES = 32 << 20
@@ -206,6 +206,22 @@ class BatchedSession:
             if any(single[i].shape != outs[i].shape for i in odd):
                 return None
         return outs
+
+
+def summed_outputs(model: onnx.ModelProto, names: Sequence[str], batches: Iterable[Any], *, input_name: str,
+                   report=None) -> dict[str, float]:
+    """Each output in ``names`` summed (float64) over every sample of ``batches`` (Batch objects), through a
+    :class:`BatchedSession`: outputs that keep the batch dimension (per-sample sums) count each image once,
+    whatever batch the model takes. ``report(n)`` is called after each batch of ``n`` samples."""
+    runner = BatchedSession(make_session(model, optimize=False), input_name)
+    names = list(dict.fromkeys(names))
+    sums = dict.fromkeys(names, 0.0)
+    for batch in batches:
+        for name, v in zip(names, runner.run(names, {input_name: batch.data})):
+            sums[name] += float(np.asarray(v, dtype=np.float64).sum())
+        if report is not None:
+            report(len(batch.data))
+    return sums
 
 
 def _fill(a: np.ndarray, rows: int) -> np.ndarray:
