@@ -165,6 +165,27 @@ def test_greedy_stops_when_nothing_gains_and_ties_are_by_name():
     assert r.chosen == ("alpha", "zeta") and "every shortlisted candidate is float32" in r.message
 
 
+def test_greedy_goes_on_when_the_budget_holds_only_on_the_search_images():
+    cands = [cand("op", "fc", "fc"), cand("op", "gap", "gap"), cand("op", "proj", "proj")]
+    def m(sets):  # the search images: 96% (within a budget of 5) whatever is in float32; the SQNR ranks them
+        gain = {"fc": 3.0, "gap": 2.0, "proj": 1.0}
+        return [Measured(tuple(s), "top1_agreement", 96.0, 100.0, 10.0 + sum(gain[n] for n in s)) for s in sets]
+    start = Measured((), "top1_agreement", 96.0, 100.0, 10.0)
+    checked = []
+
+    def confirm(nodes):  # every eval image: 90% with nothing in float32, +3 points per float32 op
+        checked.append(tuple(nodes))
+        return Measured(tuple(nodes), "top1_agreement", 90.0 + 3 * len(nodes), 100.0, 15.0)
+    r = greedy(cands, m, start=start, budget=5.0, cap=None, confirm=confirm, confirm_images=91)
+    # 90 -> 93 -> 96: two rounds, each by the largest gain on the search images, each checked on every image
+    assert r.ok and r.chosen == ("fc", "gap") and checked == [(), ("fc",), ("fc", "gap")]
+    capped = greedy(cands, m, start=start, budget=5.0, cap=1, confirm=confirm, confirm_images=91)
+    assert not capped.ok and capped.chosen == ("fc",)
+    assert capped.message == "--max-fp32-layers 1 reached with drop 7.00 points on all 91 images > budget 5"
+    # without the check, the search images decide alone
+    assert greedy(cands, m, start=start, budget=5.0, cap=None).chosen == ()
+
+
 def test_rank_by_metric_and_rank_by_sqnr_can_differ():
     # "a" raises the SQNR more, "b" the agreement more (a measure where the two disagree)
     def measure_many(sets):
