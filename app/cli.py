@@ -476,6 +476,11 @@ def _search_args(args) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
+def _db(value) -> str:
+    """A recorded SQNR: a number of dB, or the text JSON keeps for an infinite one."""
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
 def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) -> int:
     """quantize --accuracy-budget: calibrate once, then search fp32 exemptions per device."""
 
@@ -505,7 +510,7 @@ def _auto_mixed(args, out, pre, config, input_shape, name, extra_meta, devices) 
         if r.final_all:
             b, f = r.baseline_all, r.final_all
             print(f"  all {f['images']} images: {f['metric']} {b['value']:.2f}% -> {f['value']:.2f}% "
-                  f"(drop {f['drop_points']:.2f} points), logits SQNR {b['sqnr_db']:.5} -> {f['sqnr_db']:.5} dB")
+                  f"(drop {f['drop_points']:.2f} points), logits SQNR {_db(b['sqnr_db'])} -> {_db(f['sqnr_db'])} dB")
         print(f"  model: {r.files.yml}")
         if not r.ok:
             print(f"error: {r.message}", file=sys.stderr)

@@ -57,6 +57,8 @@ SHARED = HERE.parent.parent / "shared" / "data"
 DEVICES = ("cpu", "dsp", "gpu")
 ORT_COLUMN = "onnxruntime"
 EVAL_BATCH = 16
+#: error scales of the "scaled agreement" table (1 would be the cell itself)
+ERROR_SCALES = (0.7, 0.5, 0.35, 0.25)
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,11 @@ def scores(ev: EvalSet, q: np.ndarray) -> dict:
            "sqnr_db": round(sqnr_db(float(np.sum(ev.f ** 2)), float(np.sum((ev.f - q) ** 2))), 2)}
     if ev.labels is not None:
         out["drop"] = round(100 * (ev.float_accuracy - float(np.mean(q.argmax(1) == ev.labels))), 2)
+    # The agreement the same error would give at a higher SQNR: f + a (q - f) is a model whose error has the
+    # direction of this one's, scaled by a (SQNR + 20 log10(1/a) dB). It tells how far an SQNR is from a target.
+    top = ev.f.argmax(1)
+    out["scaled_agreement"] = {str(a): round(100 * float(np.mean(top == (ev.f + a * (q - ev.f)).argmax(1))), 2)
+                               for a in ERROR_SCALES}
     return out
 
 
@@ -262,6 +269,20 @@ def fmt_cell(cell: dict | None) -> str:
     return s if "drop" not in cell else f"{cell['drop']:+.2f} pt, " + s
 
 
+def print_scaled(table: list[dict], devices: list[str]) -> None:
+    """Agreement of every maceq cell with its error scaled down (see ``scores``)."""
+    print("\ntop-1 agreement if the same error were scaled by a (logits SQNR + 20 log10(1/a) dB):")
+    print("| model | row | device | " + " | ".join(f"a = {a} (+{20 * np.log10(1 / a):.1f} dB)" for a in ERROR_SCALES)
+          + " |")
+    print("|---|---|---|" + "---|" * len(ERROR_SCALES))
+    for r in table:
+        for d in list(devices) + [ORT_COLUMN]:
+            cell = r.get(d)
+            if cell and "scaled_agreement" in cell:
+                print(f"| {r['model']} | {r['index']} | {d} | "
+                      + " | ".join(f"{cell['scaled_agreement'][str(a)]:.1f}%" for a in ERROR_SCALES) + " |")
+
+
 def print_table(table: list[dict], devices: list[str]) -> None:
     cols = list(devices) + ([ORT_COLUMN] if any(ORT_COLUMN in r for r in table) else [])
     print("| model | row | " + " | ".join(cols) + " | wall s |")
@@ -329,6 +350,7 @@ def main(argv=None) -> int:
             table += measure(m, CASES[m], devices, args.calib_images, rows)
     print()
     print_table(table, devices)
+    print_scaled(table, devices)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s; --calib-images {args.calib_images}; {os.cpu_count()} CPUs")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
