@@ -1,12 +1,13 @@
 """Speed benchmark: maceq's cpu simulation against onnxruntime float, measured in the same run.
 
     python bench/speed.py [--model ../shared/data/models/mobilenet_v2.onnx] [--images DIR] [--repeat 5]
-                          [--busy N]
+                          [--devices cpu,gpu,dsp] [--busy N]
 
 Prints, for MobileNetV2 at batch 1 and batch 8, the median (and minimum) latency of
-onnxruntime's float model and of maceq's fixed-point cpu simulation, and their ratio; and the
-calibration throughput in images per second. The target is a simulation within
-4x of onnxruntime's float time.
+onnxruntime's float model and of maceq's fixed-point cpu simulation, and their ratio; the same at
+batch 1 for the gpu and dsp simulations; and the calibration throughput in images per second.
+Targets: the cpu simulation within 1.5x of onnxruntime's float time at batch 1 and 1.2x at batch 8,
+the gpu and dsp simulations within 3x.
 
 ``--busy N`` starts N busy-loop processes beside the measurement (a busy laptop or CI runner) and
 adds a table of the simulation at batch 1 with its default thread count (which leaves out the
@@ -34,6 +35,7 @@ from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import preprocess_from_args
 from maceq.quant.config import QuantConfig
 from maceq.quant.prepare import prepare_graph, tensors_to_calibrate
+from maceq.runtime.devices import Device
 from maceq.runtime.model import load
 
 HERE = Path(__file__).resolve().parent
@@ -93,14 +95,16 @@ def main(argv=None) -> int:
     p.add_argument("--calib-images", type=int, default=32)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--busy", type=int, default=0, help="busy-loop processes beside the thread-count table")
+    p.add_argument("--devices", default="cpu,gpu,dsp", help="devices to time (cpu at batch 1 and 8, others at 1)")
     args = p.parse_args(argv)
+    devices = [Device.parse(d.strip()).value for d in args.devices.split(",")]
     pre = preprocess_from_args("imagenet")
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         res = quantize(args.model, args.images, output_dir=tmp, preprocess=pre,
-                       config=QuantConfig(max_images=args.calib_images), progress=False)
+                       config=QuantConfig(max_images=args.calib_images), progress=False, devices=tuple(devices))
         t_quant = time.perf_counter() - t0
-        model = load(res.files.yml)
+        models = {Device.parse(d).value: load(files.yml) for d, files in res.per_device.items()}
     # Calibration throughput: decode + preprocess + onnxruntime + streaming statistics.
     opt, _, _ = prepare_graph(args.model, input_shape=None)
     data = ImageFolder(args.images, pre, labels=None, limit=args.calib_images)
@@ -125,19 +129,20 @@ def main(argv=None) -> int:
     print(f"threads: maceq {threads.current()} now (MACEQ_NUM_THREADS, else the CPUs other processes leave free; "
           f"kernels: {path}), onnxruntime its default")
     print("median (min) of the repeats; on a shared machine the min is the steadier number")
-    print(f"{'batch':>5} {'onnxruntime fp32':>24} {'maceq cpu sim':>24} {'ratio':>15}")
-    for batch in (1, 8):
-        x = rng.standard_normal((batch, 3, 224, 224)).astype(np.float32)
-        t_ort = run_times(lambda: sess.run(None, {name: x}), args.repeat)
-        t_sim = run_times(lambda: model.run({name: x}, device="cpu"), args.repeat)
-        med_o, med_s = statistics.median(t_ort), statistics.median(t_sim)
-        min_o, min_s = min(t_ort), min(t_sim)
-        print(f"{batch:>5} {1000 * med_o:>9.1f} ({1000 * min_o:>6.1f}) ms "
-              f"{1000 * med_s:>10.1f} ({1000 * min_s:>6.1f}) ms {med_s / med_o:>6.2f}x ({min_s / min_o:.2f}x)")
-    if args.busy:
+    print(f"{'device':>6} {'batch':>5} {'onnxruntime fp32':>24} {'maceq simulation':>24} {'ratio':>15}")
+    for device, model in models.items():
+        for batch in ((1, 8) if device == "cpu" else (1,)):
+            x = rng.standard_normal((batch, 3, 224, 224)).astype(np.float32)
+            t_ort = run_times(lambda: sess.run(None, {name: x}), args.repeat)
+            t_sim = run_times(lambda: model.run({name: x}, device=device), args.repeat)
+            med_o, med_s = statistics.median(t_ort), statistics.median(t_sim)
+            min_o, min_s = min(t_ort), min(t_sim)
+            print(f"{device:>6} {batch:>5} {1000 * med_o:>9.1f} ({1000 * min_o:>6.1f}) ms "
+                  f"{1000 * med_s:>10.1f} ({1000 * min_s:>6.1f}) ms {med_s / med_o:>6.2f}x ({min_s / min_o:.2f}x)")
+    if args.busy and "cpu" in models:
         print(f"with {args.busy} busy-loop neighbour(s), batch 1, {args.repeat} repeats:")
         with busy_neighbours(args.busy):
-            threads_table(model, name, args.repeat)
+            threads_table(models["cpu"], name, args.repeat)
     return 0
 
 
