@@ -104,10 +104,11 @@ class RunningError:
         if f.shape != q.shape:
             raise MaceqError(f"float tensor has {f.size} elements, int8 tensor {q.size}")
         e = f - q
-        self.s_ff += float(f @ f)
-        self.s_ee += float(e @ e)
-        self.s_fq += float(f @ q)
-        self.s_qq += float(q @ q)
+        # einsum's own loop, not BLAS: a BLAS dot sums in an order that depends on its thread count
+        self.s_ff += float(np.einsum("i,i->", f, f))
+        self.s_ee += float(np.einsum("i,i->", e, e))
+        self.s_fq += float(np.einsum("i,i->", f, q))
+        self.s_qq += float(np.einsum("i,i->", q, q))
         if e.size:
             self.max_abs = max(self.max_abs, float(np.max(np.abs(e))))
         self.elements += int(f.size)
@@ -363,21 +364,24 @@ def analyze_layers(model: Model, float_model, data: ImageFolder, *, device: str 
     for batch in data.iter_batches(batch_size):
         floats = ref.run(batch.data, need)
         for k in range(len(batch.data)):
-            if acc is not None:
-                run = model.run({in_name: batch.data[k:k + 1]}, device=device, intermediates=True)
-                for L in layers:
-                    f = floats[L.tensor][k:k + 1]
-                    acc[L.index].add(f, to_float_layout(run.tensors[L.op.outputs[0]].dequantize(), f))
-                del run
-            if iso is not None:
-                for L in layers:
-                    ins = [None if e is None else
-                           _padded(run_op, e[2], quantize_input(run_op, producer_op.get(e[0]), e[0],
-                                                                to_device_layout(floats[e[1]][k:k + 1])))
-                           for e in in_names[L.index]]
-                    y = run_op(L.op, ins)[0]
-                    f = floats[L.tensor][k:k + 1]
-                    iso[L.index].add(f, to_float_layout(y.dequantize(), f))
+            # One section per image, as Model.run has per run: the single ops of the isolated pass then
+            # run with BLAS held to one thread, not beside BLAS's spinning threads (runtime/threads.py).
+            with model.section(device):
+                if acc is not None:
+                    run = model.run({in_name: batch.data[k:k + 1]}, device=device, intermediates=True)
+                    for L in layers:
+                        f = floats[L.tensor][k:k + 1]
+                        acc[L.index].add(f, to_float_layout(run.tensors[L.op.outputs[0]].dequantize(), f))
+                    del run
+                if iso is not None:
+                    for L in layers:
+                        ins = [None if e is None else
+                               _padded(run_op, e[2], quantize_input(run_op, producer_op.get(e[0]), e[0],
+                                                                    to_device_layout(floats[e[1]][k:k + 1])))
+                               for e in in_names[L.index]]
+                        y = run_op(L.op, ins)[0]
+                        f = floats[L.tensor][k:k + 1]
+                        iso[L.index].add(f, to_float_layout(y.dequantize(), f))
             n += 1
         del floats
         bar.update(len(batch.data))

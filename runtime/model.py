@@ -22,9 +22,9 @@ from maceq.runtime import ops_float as _ops_float  # noqa: F401
 from maceq.runtime import ops_gpu as _ops_gpu  # noqa: F401
 from maceq.runtime import ops_shape as _ops_shape  # noqa: F401
 from maceq.runtime import threads as _threads
+from maceq.runtime.devices import Device, DeviceSpec, device_spec
 from maceq.runtime.graph import RtOp, parse_ops
 from maceq.runtime.kernel import Kernel, PrepareContext, PreparedOp
-from maceq.runtime.devices import Device, DeviceSpec, device_spec
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import lookup, op_dtype, prepare_op
 
@@ -247,12 +247,18 @@ class Model:
         ``threads``: how many threads the compiled kernels use (default: runtime/threads.py); the
         results do not depend on it.
         """
-        with _threads.section(threads):
+        with self.section(device, threads):
             plan = self._plan(device, backend)
             values = self._feed(inputs)
             self._evaluate(plan, values, before_op)
         outputs = self._outputs(values)
         return RunResult(outputs, values) if intermediates else outputs
+
+    @staticmethod
+    def section(device: "Device | str", threads: int | None = None):
+        """The thread section of one run on ``device`` (runtime/threads.py): the gpu and dsp kernels'
+        numpy GEMMs keep BLAS on one thread for the whole run."""
+        return _threads.section(threads, hold_blas=Device.parse(device) is not Device.CPU)
 
     def _evaluate(self, plan: Plan, values: dict[str, QTensor], before_op=None) -> list[PreparedOp]:
         """Run the ops in order on ``values`` (the fed inputs; each op's outputs are added); the PreparedOps run."""

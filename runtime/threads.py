@@ -110,12 +110,13 @@ def current() -> int:
 
 
 @contextmanager
-def section(threads: int | None = None):
+def section(threads: int | None = None, *, hold_blas: bool = False):
     """One model run: numba's pool sized to ``threads`` (default :func:`current`). BLAS is held to one
-    thread from the first compiled convolution of the run (:func:`blas_held`) to the run's end, so
-    runs without one (the gpu and dsp devices' own kernels, which call BLAS from numpy) keep BLAS's
-    threads, unless the run has one thread (asked for, or the rest busy: BLAS's spinning threads
-    on shared cores made the gpu's GEMMs 2-4x slower)."""
+    thread from the first compiled convolution of the run (:func:`blas_held`) to the run's end, or
+    from the start with ``hold_blas`` or when the run has one thread (asked for, or the rest busy:
+    BLAS's spinning threads on shared cores made the gpu's GEMMs 2-4x slower). The gpu and dsp
+    simulations call BLAS from numpy on GEMMs too small to share: MobileNetV2 at batch 1 took the
+    same time with one BLAS thread as with two, and half the CPU time, so their runs hold it."""
     global _DEPTH, _BLAS_CTX
     n = current() if threads is None else threads
     if not isinstance(n, int) or n < 1:
@@ -128,7 +129,7 @@ def section(threads: int | None = None):
     numba.set_num_threads(n)  # per calling thread in numba
     with _LOCK:
         _DEPTH += 1
-        if n == 1 and _BLAS_CTX is None:  # one thread: BLAS too, for the gpu and dsp kernels' GEMMs
+        if (n == 1 or hold_blas) and _BLAS_CTX is None:  # BLAS on one thread for the whole run
             _BLAS_CTX = blas.single_threaded()
             _BLAS_CTX.__enter__()
     try:

@@ -13,11 +13,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from maceq.app.pipeline import calibrate, write_quantized
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
-from maceq.app.pipeline import calibrate, write_quantized
 from maceq.reports.analysis import OpRunner, RunningError, analyze_layers, quantize_input
 from maceq.runtime import load
 from maceq.runtime.model import QTensor
@@ -170,6 +170,26 @@ def test_source_path_gives_the_same_as_the_graph(mnv2, shared_data):
     b = analyze_layers(models["cpu"], shared_data / "models" / "mobilenet_v2.onnx", one, modes=["isolated"],
                        progress=False)
     assert a == b and all(L.accumulated is None for L in a)
+
+
+def test_the_figures_do_not_depend_on_the_thread_count(mnv2, shared_data):
+    # the int8 values are the same for any thread count by construction; the running sums must not take a
+    # summation order that depends on BLAS's threads either (a BLAS dot over two threads sums in another order)
+    from threadpoolctl import threadpool_limits
+
+    from maceq.runtime import threads
+
+    cal, _, models, _, _, _ = mnv2
+    one = ImageFolder(shared_data / "photos" / "eval", PRESETS["imagenet"], labels=None, limit=1)
+    runs = []
+    for n in (1, 2):
+        threads.limit(n)
+        try:
+            with threadpool_limits(n, user_api="blas"):
+                runs.append(analyze_layers(models["cpu"], cal.graph, one, device="cpu", progress=False))
+        finally:
+            threads.limit(None)
+    assert runs[0] == runs[1]
 
 
 def test_running_error_formulas_and_edge_cases():
