@@ -25,6 +25,7 @@ the conv and passes the activation's output range, so the clamp comes from the r
 """
 from __future__ import annotations
 
+import functools
 from enum import Enum
 
 import numpy as np
@@ -378,9 +379,10 @@ def _d32_requant(s, recip_val: int, shamt: int):
     return np.clip(lsum, 0, 255).astype(np.uint8), vmin, vmax
 
 
-def _d32_read(x, in_offset: int, b, rows, cols, chans) -> np.ndarray:
-    """``nnlib_ref.d32_input_read`` on broadcast index arrays (int64 result)."""
-    n, h, w, c = x.shape
+def _d32_index(shape, b, rows, cols, chans) -> tuple[np.ndarray, np.ndarray]:
+    """Where ``nnlib_ref.d32_input_read`` reads, on broadcast index arrays: (flat index into the NHWC
+    input, 0 where it reads padding; True where it reads the input). Depends on the shape only."""
+    n, h, w, c = shape
     wt = r.D32_LEFT_PAD + w + ((-w) & 3)
     nd32 = (c + 31) // 32
     b, rows, cols, chans = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (b, rows, cols, chans)))
@@ -390,30 +392,50 @@ def _d32_read(x, in_offset: int, b, rows, cols, chans) -> np.ndarray:
     ix = cols % wt - r.D32_LEFT_PAD
     inside = (row >= 0) & (row < h) & (ix >= 0) & (ix < w)
     p = ((b * h + row) * w + ix) * c + ch
-    ok = inside & (p < x.size)
-    out = np.full(p.shape, in_offset, dtype=np.int64)
-    out[ok] = x.reshape(-1)[p[ok]]  # ch < c: the pixel's own channel; else the bytes that follow it
-    return out
+    ok = inside & (p < n * h * w * c)  # ch < c: the pixel's own channel; else the bytes that follow it
+    return np.where(ok, p, 0), ok
 
 
-def _dw_junk_sums(x, w, filt_offset: int, strides, before, out_hw):
-    """``junk_sums`` for the depthwise kernel: sums at ``dwise_computed_cols`` outside the output."""
-    n, h, wd, c = x.shape
-    kh, kw = w.shape[:2]
+@functools.lru_cache(maxsize=256)
+def _dw_junk_index(shape, kernel, strides, before, out_hw):
+    """(flat index, read-the-input mask) [N, OH, J, C, KH, KW] of the taps the depthwise kernel reads at
+    the computed columns outside the output (``dwise_computed_cols``); None when there are none. Kept per
+    geometry: every image of a run reads the same places."""
+    n, h, wd, c = shape
+    kh, kw = kernel
     cols = [ox for ox in r.dwise_computed_cols((kh, kw), strides[1], out_hw[1], before[1]) if not 0 <= ox < out_hw[1]]
     if not cols:
         return None
-    wz = w[:, :, :, 0].astype(np.int64) - filt_offset  # [KH, KW, C]
     bb = np.arange(n)[:, None, None, None, None, None]
     rows = (np.arange(out_hw[0]) * strides[0] - before[0])[None, :, None, None, None, None] \
         + np.arange(kh)[None, None, None, None, :, None]
     mcols = (r.D32_LEFT_PAD - before[1] + np.asarray(cols) * strides[1])[None, None, :, None, None, None] \
         + np.arange(kw)[None, None, None, None, None, :]
     chans = np.arange(c)[None, None, None, :, None, None]
+    p, ok = _d32_index(shape, bb, rows, mcols, chans)
+    p.flags.writeable = ok.flags.writeable = False
+    return p, ok
+
+
+def _dw_junk_sums(x, w, filt_offset: int, strides, before, out_hw):
+    """``junk_sums`` for the depthwise kernel: sums at ``dwise_computed_cols`` outside the output.
+
+    The kernel reads ``in_offset`` at padding, so each sum of ``(v - in_offset) * (w - filt_offset)`` is
+    ``sum_inside v * wz - in_offset * sum_inside wz``: exact int64 sums, wrapped to int32 at the end.
+    """
+    kh, kw = w.shape[:2]
+    index = _dw_junk_index(tuple(x.shape), (kh, kw), tuple(strides), tuple(before), tuple(out_hw))
+    if index is None:
+        return None
+    p, ok = index
+    c = x.shape[3]
+    wz = w[:, :, :, 0].astype(np.int64) - filt_offset  # [KH, KW, C]
+    v = np.where(ok, x.reshape(-1)[p], 0).astype(np.int64)  # [N, OH, J, C, KH, KW]
+    s1 = np.einsum("nhjcab,abc->nhjc", v, wz)
+    s0 = np.einsum("nhjcab,abc->nhjc", ok.astype(np.int64), wz)
 
     def sums(io):
-        v = _d32_read(x, io, bb, rows, mcols, chans) - io  # [N, OH, J, C, KH, KW]
-        return _wrap32(np.einsum("nhjcab,abc->nhjc", v, wz)).reshape(-1, c)
+        return _wrap32(s1 - io * s0).reshape(-1, c)
 
     return sums
 
