@@ -167,10 +167,13 @@ class _Tally:
         return sqnr_db(math.fsum(self.signal), math.fsum(self.noise))
 
 
-def _tally(model: Model, float_model, data: ImageFolder, *, device, batch_size: int, report) -> _Tally:
-    """Top-1 agreement, top-5 containment and label hits of ``data``, image by image."""
+def _tally(model: Model, float_model, data: ImageFolder, *, device, batch_size: int, report,
+           ort_threads: int | None = None) -> _Tally:
+    """Top-1 agreement, top-5 containment and label hits of ``data``, image by image.
+
+    ``ort_threads``: onnxruntime's threads for the float model (None: its default)."""
     in_name, out_name = model.input_names[0], model.output_names[0]
-    sess = make_session(float_model, input_shape=model.input_shape(in_name))
+    sess = make_session(float_model, input_shape=model.input_shape(in_name), intra_op_threads=ort_threads)
     f_in = sess.get_inputs()[0].name
     runner = BatchedSession(sess, f_in)
     outs = [o.name for o in sess.get_outputs()]
@@ -213,8 +216,9 @@ def _eval_shard(job: _EvalJob, shard: ImageFolder, report) -> _Tally:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreadableImageWarning)
         try:
+            # one core per worker: onnxruntime's own pool would spin beside the other workers' simulations
             return _tally(Model(job.loaded), job.float_model, shard, device=job.device, batch_size=job.batch_size,
-                          report=report)
+                          report=report, ort_threads=1)
         except MaceqError:
             if shard.skipped != len(shard.files):
                 raise
