@@ -1,0 +1,152 @@
+"""Scale-out benchmark: ``maceq eval`` over 1..N workers, on local processes and on a local Ray cluster.
+
+    python bench/scaling.py [--devices cpu,dsp] [--workers 1,2] [--executors local,ray] [--images 91]
+                            [--model ../shared/data/models/mobilenet_v2.onnx] [--eval ../shared/data/photos/eval]
+                            [--json out.json]
+
+MobileNetV2 is quantized once per device (default settings, 32 calibration photos). Each device's model is then
+evaluated on the same images with ``reports.evaluate.evaluate(..., workers=N, executor=E)``: images sharded in
+whole batches, counts merged exactly. Per cell: the wall time (from the call to the merged result, worker or Ray
+start-up included), images per second, the speed-up over one worker of the same executor and the efficiency
+(speed-up / workers; 1.0 is linear scaling). Every cell's metrics must equal the one-worker run's; a difference is
+an error. The same images through onnxruntime's float model alone, timed in the same run, give the ratio a user
+feels: how much longer the int8 evaluation takes than running the float model.
+
+Every cell runs the simulation on one thread per worker: the one-worker cell in this process (``threads.limit(1)``,
+as each worker process does), so that the speed-up measures the cores the workers add, not the threads the
+one-process run would take by itself (``--threads default`` keeps runtime/threads.py's choice there).
+
+``--images N`` repeats the eval photos (symbolic links in a temporary folder) up to N images, so that start-up
+costs can be told apart from per-image work. The Ray cells start a local cluster with as many CPUs as workers
+(its own start-up is timed apart, in the ``ray start`` line). On a machine with C CPUs, scaling past C workers
+cannot be linear: the table prints the CPU count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from maceq.app.pipeline import quantize
+from maceq.calibrate.parallel import Executor
+from maceq.calibrate.runner import BatchedSession, make_session
+from maceq.datasets.images import ImageFolder, iter_image_files
+from maceq.datasets.preprocess import preprocess_from_args
+from maceq.errors import MaceqError
+from maceq.quant.config import QuantConfig
+from maceq.reports.evaluate import evaluate
+from maceq.runtime import threads
+from maceq.runtime.devices import Device
+from maceq.runtime.model import load
+
+HERE = Path(__file__).resolve().parent
+SHARED = HERE.parent.parent / "shared" / "data"
+
+
+def repeated_folder(src: Path, n: int, dst: Path) -> Path:
+    """``dst`` holding links to the images of ``src``, repeated in order up to ``n`` images."""
+    files = iter_image_files(src)
+    if not files:
+        raise MaceqError(f"{src}: no images")
+    dst.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        f = files[i % len(files)]
+        os.symlink(f.resolve(), dst / f"{i:06d}{f.suffix.lower()}")
+    return dst
+
+
+def float_seconds(model_path: str, data: ImageFolder, batch_size: int = 16) -> float:
+    """onnxruntime's float model over every image, in batches, decoding included (as the evaluation reads them)."""
+    sess = make_session(model_path)
+    name = sess.get_inputs()[0].name
+    runner = BatchedSession(sess, name)
+    t0 = time.perf_counter()
+    for batch in data.iter_batches(batch_size):
+        runner.run(None, {name: batch.data})
+    return time.perf_counter() - t0
+
+
+def measure(models: dict, model_path: str, data: ImageFolder, workers: list[int], executors: list[str]) -> list[dict]:
+    rows = []
+    for device, model in models.items():
+        base = {}
+        for ex in executors:
+            for n in workers:
+                t0 = time.perf_counter()
+                res = evaluate(model, model_path, data, device=device, workers=n, executor=ex, progress=False)
+                sec = time.perf_counter() - t0
+                metrics = res.to_dict()
+                if ex not in base:
+                    base[ex] = (n, sec, metrics)
+                elif metrics != base[ex][2]:
+                    raise MaceqError(f"{device} {ex} x{n}: metrics differ from {base[ex][0]} worker(s)")
+                speedup = base[ex][1] / sec * base[ex][0]  # over the first count, taken as linear up to it
+                rows.append({"device": device, "executor": ex, "workers": n, "seconds": round(sec, 2),
+                             "images_per_s": round(len(data) / sec, 2), "speedup": round(speedup, 2),
+                             "efficiency": round(speedup / n, 2), "agreement": metrics["top1_agreement"]})
+                print(f"  {device:<4} {ex:<6} x{n}: {sec:7.1f} s  {len(data) / sec:6.2f} img/s  "
+                      f"speed-up {speedup:4.2f}  efficiency {speedup / n:4.2f}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(SHARED / "models" / "mobilenet_v2.onnx"))
+    p.add_argument("--calib", default=str(SHARED / "photos" / "calib"))
+    p.add_argument("--eval", default=str(SHARED / "photos" / "eval"))
+    p.add_argument("--devices", default="cpu,dsp")
+    p.add_argument("--workers", default="1,2")
+    p.add_argument("--executors", default="local,ray")
+    p.add_argument("--images", type=int, default=None, help="repeat the eval photos up to this many images")
+    p.add_argument("--threads", choices=("one", "default"), default="one",
+                   help="threads of the one-worker cell (workers always use one each)")
+    p.add_argument("--json", help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    try:
+        devices = [Device.parse(d.strip()).value for d in args.devices.split(",") if d.strip()]
+        executors = [Executor.parse(e.strip()).value for e in args.executors.split(",") if e.strip()]
+        workers = sorted({int(w) for w in args.workers.split(",") if w.strip()})
+        if not workers or workers[0] < 1 or (args.images is not None and args.images < 1):
+            raise MaceqError("--workers and --images take positive integers")
+    except (MaceqError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    pre = preprocess_from_args("imagenet")
+    warnings.simplefilter("ignore")
+    if args.threads == "one":
+        threads.limit(1)
+    with tempfile.TemporaryDirectory(prefix="maceq-bench-scale-") as tmp:
+        res = quantize(args.model, args.calib, output_dir=Path(tmp) / "q", preprocess=pre,
+                       config=QuantConfig(max_images=32), progress=False, devices=tuple(devices))
+        models = {Device.parse(d).value: load(f.yml) for d, f in res.per_device.items()}
+        folder = Path(args.eval) if args.images is None else repeated_folder(Path(args.eval), args.images,
+                                                                            Path(tmp) / "images")
+        data = ImageFolder(folder, pre, labels=None)
+        t_float = float_seconds(args.model, data)
+        print(f"{len(data)} images, {len(os.sched_getaffinity(0))} CPUs; onnxruntime float alone: {t_float:.1f} s "
+              f"({len(data) / t_float:.1f} img/s)", flush=True)
+        if "ray" in executors:
+            from maceq.calibrate.parallel import init_ray
+
+            t0 = time.perf_counter()
+            init_ray(address=None, num_cpus=max(workers))
+            print(f"ray start: {time.perf_counter() - t0:.1f} s (not in the cells)", flush=True)
+        rows = measure(models, args.model, data, workers, executors)
+    print("\n| device | executor | workers | seconds | images/s | speed-up | efficiency | x onnxruntime float |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['device']} | {r['executor']} | {r['workers']} | {r['seconds']:.1f} | {r['images_per_s']:.2f} | "
+              f"{r['speedup']:.2f} | {r['efficiency']:.2f} | {r['seconds'] / t_float:.0f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"float_seconds": t_float, "images": len(data), "rows": rows},
+                                              indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
