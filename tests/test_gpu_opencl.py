@@ -222,6 +222,29 @@ def test_conv_requant_ties_large_acc_and_no_fma(be):
     assert be.conv2d(x, w, b, **kw).reshape(-1).tolist() == [0, 2, 0, 0, 2, 1, 255, 0]
 
 
+@pytest.mark.parametrize("depthwise", [False, True], ids=["conv2d", "depthwise"])
+def test_each_bias_path_equals_the_scalar_reference(depthwise):
+    # the numpy path adds the bias in float32, float64 or with the int32 wrap, by a bound on the sums;
+    # each, taken as sum_path says, gives the reference's codes (1x1 conv: the one-GEMM float32 sums)
+    rng = np.random.default_rng(40)
+    x = rng.integers(0, 256, (1, 5, 6, 8), dtype=np.uint8)
+    kh = 3 if depthwise else 1
+    w = rng.integers(-128, 128, (kh, kh, 8, 1) if depthwise else (4, 1, 1, 8), dtype=np.int8)
+    o = 8 if depthwise else 4
+    terms = kh * kh * (1 if depthwise else 8)
+    sim, ref = ((g.gpu_depthwise_conv2d, g.gpu_depthwise_conv2d_ref) if depthwise else
+                (g.gpu_conv2d, g.gpu_conv2d_ref))
+    for lo, hi, path in ((10_000, 20_000, "float32"), (2 ** 26, 2 ** 27, "float64"), (2 ** 31 - 200, 2 ** 31 - 1, "wrap")):
+        bias = (rng.choice([-1, 1], o) * rng.integers(lo, hi, o)).astype(np.int32)
+        assert g.sum_path(terms, bias.astype(np.int64), np.float32) == path
+        scale = np.full(o, 2.0 ** -12 if path == "float32" else 2.0 ** -26, F32)
+        kw = dict(x_zp=int(rng.integers(0, 256)), out_zp=128, scale_c=scale, pads=(1, 1, 1, 1) if depthwise else
+                  (0, 0, 0, 0))
+        want = ref(x, w, bias, **kw)
+        assert _mismatch(sim(x, w, bias, **kw), want) == 0
+        assert 0 < np.count_nonzero((want > 0) & (want < 255))  # codes inside the range, not only saturated
+
+
 def test_conv_wraps_int32_like_the_kernel(be):
     x = np.full((1, 1, 3, 2), 255, dtype=np.uint8)
     w = np.full((2, 1, 3, 2), 127, dtype=np.int8)

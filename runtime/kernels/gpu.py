@@ -193,11 +193,16 @@ def gpu_inverse_scale(scale) -> np.float32:
 _IEEE = dict(over="ignore", invalid="ignore")  # inf and NaN are defined results here, as in the kernels
 
 
-def _sat_rte_u8(y: np.ndarray) -> np.ndarray:
-    """OpenCL ``convert_uchar_sat_rte`` on float32: rint (half to even), clamp, NaN -> 0."""
+def _sat_rte_u8(y: np.ndarray, *, in_place: bool = False) -> np.ndarray:
+    """OpenCL ``convert_uchar_sat_rte`` on float32: rint (half to even), clamp, NaN -> 0.
+
+    ``in_place``: ``y`` (a float32 array of the caller's own) may be overwritten."""
     with np.errstate(**_IEEE):
-        r = np.clip(np.rint(y), _F32(0), _F32(255))
-    r = np.where(np.isnan(r), _F32(0), r)
+        r = np.rint(y, out=y if in_place else None)
+        np.clip(r, _F32(0), _F32(255), out=r)
+    nan = np.isnan(r)
+    if nan.any():
+        r[nan] = 0
     return r.astype(np.uint8)
 
 
@@ -305,14 +310,22 @@ def conv_args(op: str, x, w, bias, *, x_zp, out_zp, scale_c, strides, pads, dila
                     _zp(op, "out_zp", out_zp), kh, kw, c, m, o, st, dil, pd, oh, ow)
 
 
+#: Products (x - x_zp) * w are below 2^15 in magnitude (|x - x_zp| <= 255, |w| <= 128), so a float32 sum of up
+#: to this many of them is an exact integer below 2^23 < 2^24; longer sums are taken in chunks of it.
+F32_EXACT_TERMS = 256
+
+
 def _taps(a: ConvArgs):
-    """Yield (i, j, view): the float64 ``x - x_zp`` under tap (i, j) for every output position.
+    """Yield (i, j, view): the float32 ``x - x_zp`` (exact: |x - x_zp| <= 255) under tap (i, j) for every
+    output position.
 
     Padded positions hold 0, which is what an out-of-image tap contributes in the kernel
     (it skips them) and what MACE's im2col gives (it pads with ``x_zp``).
     """
     (sh, sw), (dh, dw), (t, l, b, r) = a.strides, a.dilations, a.pads
-    xp = np.pad(a.x.astype(np.float64) - a.x_zp, ((0, 0), (t, b), (l, r), (0, 0)))
+    xp = a.x.astype(_F32) - _F32(a.x_zp)
+    if any(a.pads):
+        xp = np.pad(xp, ((0, 0), (t, b), (l, r), (0, 0)))
     for i in range(a.kh):
         for j in range(a.kw):
             y0, x0 = i * dh, j * dw
@@ -360,12 +373,49 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
     """
     a = conv_args("gpu_conv2d", x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c, strides=strides,
                   pads=pads, dilations=dilations, depthwise=False)
-    acc = np.zeros((a.x.shape[0] * a.oh * a.ow, a.o), dtype=np.float64)
-    wf = a.w.astype(np.float64)
-    for i, j, view in _taps(a):
-        acc += view.reshape(-1, a.c) @ wf[:, i, j, :].T
-    out = gpu_requantize_acc(_wrap_acc(acc, a.bias), a.scale, a.out_zp)
+    wf = a.w.astype(_F32)
+    if a.kh * a.kw == 1 and a.c <= F32_EXACT_TERMS:  # one float32 GEMM, exact as it stands
+        view = next(_taps(a))[2]
+        acc = view.reshape(-1, a.c) @ wf[:, 0, 0, :].T
+    else:
+        acc = np.zeros((a.x.shape[0] * a.oh * a.ow, a.o), dtype=np.float64)
+        for i, j, view in _taps(a):
+            rows = view.reshape(-1, a.c)
+            for k0 in range(0, a.c, F32_EXACT_TERMS):  # float32 GEMMs of exact chunks, summed exactly in float64
+                k1 = min(a.c, k0 + F32_EXACT_TERMS)
+                acc += rows[:, k0:k1] @ wf[:, i, j, k0:k1].T
+    out = _requantize_sums(acc, a, a.kh * a.kw * a.c)
     return out.reshape(a.x.shape[0], a.oh, a.ow, a.o)
+
+
+def sum_path(terms: int, bias: np.ndarray, acc_dtype) -> str:
+    """How :func:`_requantize_sums` adds the bias to sums of ``terms`` products: "float32" (every sum below
+    2^24), "float64" (below 2^31: no wrap), or "wrap" (the int32 wrap of the kernel's uint sum)."""
+    bound = terms * 255 * 128 + (int(np.max(np.abs(bias))) if bias.size else 0)
+    if bound >= 2 ** 31:
+        return "wrap"
+    return "float32" if bound < 2 ** 24 and acc_dtype == _F32 else "float64"
+
+
+def _requantize_sums(acc: np.ndarray, a: ConvArgs, terms: int) -> np.ndarray:
+    """:func:`gpu_requantize_acc` of ``wrap32(acc + bias)``, ``acc`` exact integer sums of ``terms`` products.
+
+    When ``terms * 255 * 128 + max|bias| < 2^31`` no int32 sum can wrap: ``acc + bias`` is then the kernel's
+    accumulator, exact in float64, and its conversion to float32 rounds to nearest even as ``float_rte`` does
+    on the int32, so the wrap and the int32 round trip are skipped. Below 2^24 (and ``acc`` float32) the sum is
+    taken in float32, where it is exact and needs no rounding at all.
+    """
+    path = sum_path(terms, a.bias, acc.dtype)
+    if path == "wrap":
+        return gpu_requantize_acc(_wrap_acc(acc, a.bias), a.scale, a.out_zp)
+    with np.errstate(**_IEEE):
+        if path == "float32":
+            y = acc + a.bias.astype(_F32)
+        else:
+            y = (acc.astype(np.float64, copy=False) + a.bias).astype(_F32)
+        y *= a.scale  # one float32 rounding, then the add's: no FMA
+        y += _F32(a.out_zp)
+    return _sat_rte_u8(y, in_place=True)
 
 
 def gpu_conv2d_ref(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 1),
@@ -386,12 +436,15 @@ def gpu_depthwise_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, st
     a = conv_args("gpu_depthwise_conv2d", x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c,
                   strides=strides, pads=pads, dilations=dilations, depthwise=True)
     n = a.x.shape[0]
-    acc = np.zeros((n, a.oh, a.ow, a.c, a.m), dtype=np.float64)
-    wf = a.w.astype(np.float64)
+    exact32 = a.kh * a.kw <= F32_EXACT_TERMS  # the tap-by-tap float32 sum stays an exact integer
+    acc = np.zeros((n, a.oh, a.ow, a.c) + ((a.m,) if a.m > 1 else ()), dtype=_F32 if exact32 else np.float64)
+    wf = a.w.astype(acc.dtype)
     for i, j, view in _taps(a):
-        acc += view[..., None] * wf[i, j]
-    acc = _wrap_acc(acc.reshape(n, a.oh, a.ow, a.o), a.bias)
-    return gpu_requantize_acc(acc, a.scale, a.out_zp)
+        if a.m > 1:
+            acc += view[..., None] * wf[i, j]
+        else:
+            acc += view * wf[i, j, :, 0]
+    return _requantize_sums(acc.reshape(n, a.oh, a.ow, a.o), a, a.kh * a.kw)
 
 
 def gpu_depthwise_conv2d_ref(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 1),
