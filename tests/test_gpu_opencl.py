@@ -234,7 +234,8 @@ def test_each_bias_path_equals_the_scalar_reference(depthwise):
     terms = kh * kh * (1 if depthwise else 8)
     sim, ref = ((g.gpu_depthwise_conv2d, g.gpu_depthwise_conv2d_ref) if depthwise else
                 (g.gpu_conv2d, g.gpu_conv2d_ref))
-    for lo, hi, path in ((10_000, 20_000, "float32"), (2 ** 26, 2 ** 27, "float64"), (2 ** 31 - 200, 2 ** 31 - 1, "wrap")):
+    paths = ((10_000, 20_000, "float32"), (2 ** 26, 2 ** 27, "float64"), (2 ** 31 - 200, 2 ** 31 - 1, "wrap"))
+    for lo, hi, path in paths:
         bias = (rng.choice([-1, 1], o) * rng.integers(lo, hi, o)).astype(np.int32)
         assert g.sum_path(terms, bias.astype(np.int64), np.float32) == path
         scale = np.full(o, 2.0 ** -12 if path == "float32" else 2.0 ** -26, F32)
