@@ -63,3 +63,28 @@ def test_weight_sums_equal_the_scalar_reference(shape):
         np.testing.assert_array_equal(dsp.dwise_gemsumb(dw, fo), r.dwise_gemsumb(dw, fo))
         fc = w.reshape(-1, shape[3])
         np.testing.assert_array_equal(dsp.superfc_gemsumb(fc, fo), r.superfc_gemsumb(fc, fo))
+
+
+def test_d32_requant_compiled_equals_numpy_and_the_scalar_reference(monkeypatch):
+    from maceq.runtime.kernels import jit
+
+    if not jit.available():
+        pytest.skip("numba not available: the numpy path is the only one")
+    rng = np.random.default_rng(7)
+    for shamt in (0, 1, 3, 7):
+        recip = int(rng.integers(1, 2 ** 31))
+        # sums inside int32, past it (the wrap), and where the shift wraps again
+        s = np.concatenate([rng.integers(-(2 ** 31), 2 ** 31, 4991), rng.integers(-(2 ** 40), 2 ** 40, 5000),
+                            np.array([0, 1, -1, 2 ** 31 - 1, -(2 ** 31), 2 ** 31, 2 ** 32 - 1, 2 ** 24, -(2 ** 24)])])
+        s = s.reshape(100, 10, 10)  # any shape: [N, OH, OW, O] sums in the kernels
+        got, want = jit.d32_requant(s, recip, shamt), dsp._d32_requant_numpy(s, recip, shamt)
+        assert got[0].shape == want[0].shape and np.array_equal(got[0], want[0]) and got[1:] == want[1:]
+        flat = np.asarray(s).reshape(-1)
+        for k in range(0, flat.size, 997):  # nnlib_ref's scalar d32_requant on a sample
+            assert r.d32_requant(int(flat[k]), recip, shamt)[0] == int(got[0].reshape(-1)[k])
+    assert jit.d32_requant(np.zeros(0, np.int64), 1 << 30, 0)[1:] == (1 << 24, -(1 << 24))
+    # the kernels take the compiled path while it is available
+    calls = []
+    monkeypatch.setattr(jit, "d32_requant", lambda *a: calls.append(a) or dsp._d32_requant_numpy(*a))
+    dsp._d32_requant(np.arange(10), 1 << 30, 0)
+    assert len(calls) == 1

@@ -33,6 +33,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from maceq.errors import MaceqError
 from maceq.mace.enums import Padding as MacePadding
+from maceq.runtime.kernels import jit
 from maceq.runtime.kernels import nnlib_ref as r
 from maceq.runtime.kernels.nnlib_ref import INF, Padding
 
@@ -370,6 +371,14 @@ def _d32_kernel(n_out: int, gemsumb, conv_sums, junk_sums=None):
 
 
 def _d32_requant(s, recip_val: int, shamt: int):
+    """d32 requant: (u8 outputs, min raw, max raw) as dwconv2dbbb_c.c; the compiled loop when it is available
+    (the same int64 steps in one pass, equal to :func:`_d32_requant_numpy`: tests/test_dsp_fills.py)."""
+    if jit.available():
+        return jit.d32_requant(s, recip_val, shamt)
+    return _d32_requant_numpy(s, recip_val, shamt)
+
+
+def _d32_requant_numpy(s, recip_val: int, shamt: int):
     """d32 requant, vectorised: (u8 outputs, min raw, max raw) as dwconv2dbbb_c.c."""
     s = _wrap32(_wrap32(s) << shamt)
     lsum = (s * recip_val + 0x40000000) >> 31

@@ -55,7 +55,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
     njit = None
 
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
-           "lut_pairs", "find_range", "quantize_neon"]
+           "lut_pairs", "find_range", "quantize_neon", "d32_requant"]
 
 
 def available() -> bool:
@@ -279,6 +279,25 @@ if njit is not None:
                 else:
                     out[i] = np.int32(min(max(d, 0.0), 255.0))
 
+    @_jit
+    def _wrap32(v):
+        return ((v + 2147483648) & 0xFFFFFFFF) - 2147483648
+
+    @_jit
+    def _d32_requant(s, recip_val, shamt, out):
+        """nnlib's d32 requantization (runtime/kernels/dsp.py, _d32_requant), the same int64 steps in one pass:
+        v = wrap32(wrap32(s) << shamt); lsum = (v * recip_val + 2^30) >> 31 (|product| < 2^62: recip_val
+        <= 2^31 - 1); out = clamp(lsum, 0, 255); returns (min, max) of wrap32(lsum) from (2^24, -2^24)."""
+        vmin, vmax = np.int64(1 << 24), np.int64(-(1 << 24))
+        for i in range(s.shape[0]):
+            v = _wrap32(_wrap32(s[i]) << shamt)
+            lsum = (v * recip_val + 0x40000000) >> 31
+            raw = _wrap32(lsum)
+            vmin = min(vmin, raw)
+            vmax = max(vmax, raw)
+            out[i] = min(max(lsum, 0), 255)
+        return vmin, vmax
+
 
 def lut_pairs(a: np.ndarray, b: np.ndarray, body: int, body_table: np.ndarray, tail_table: np.ndarray) -> np.ndarray:
     """Codes of the uint8 pairs (a, b) (same shape) from two 65536-entry tables: body_table below
@@ -287,6 +306,14 @@ def lut_pairs(a: np.ndarray, b: np.ndarray, body: int, body_table: np.ndarray, t
     _lut_pairs(np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1), int(body), body_table,
                tail_table, out.reshape(-1))
     return out
+
+
+def d32_requant(s: np.ndarray, recip_val: int, shamt: int) -> tuple[np.ndarray, int, int]:
+    """nnlib's d32 requantization of int64 sums ``s`` (any shape): (uint8 codes, min raw, max raw)."""
+    flat = np.ascontiguousarray(s, dtype=np.int64).reshape(-1)
+    out = np.empty(flat.shape[0], np.uint8)
+    vmin, vmax = _d32_requant(flat, np.int64(recip_val), np.int64(shamt), out)
+    return out.reshape(np.shape(s)), int(vmin), int(vmax)
 
 
 def find_range(v: np.ndarray) -> tuple[float, float]:
