@@ -88,3 +88,28 @@ def test_d32_requant_compiled_equals_numpy_and_the_scalar_reference(monkeypatch)
     monkeypatch.setattr(jit, "d32_requant", lambda *a: calls.append(a) or dsp._d32_requant_numpy(*a))
     dsp._d32_requant(np.arange(10), 1 << 30, 0)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("shape", [((1, 1), 100), ((1, 1), 300), ((3, 3), 40), ((1, 1), 33_100)],
+                         ids=["pointwise-one-gemm", "pointwise-chunked", "3x3", "pointwise-wraps"])
+def test_conv_sums_equal_plain_int64_sums(shape):
+    # the float32 / float64 sums of the supernode equal int64 sums of (x - in_offset) * (w - w_offset), wrapped
+    # to int32 where the bound says a sum can leave it (33,100 products of up to 255 * 255 can)
+    (kh, kw), c = shape
+    rng = np.random.default_rng(c)
+    hw = 1 if c > 1000 else 6
+    x = rng.integers(0, 256, (1, hw, hw, c), dtype=np.uint8)
+    w = rng.integers(0, 256, (kh, kw, c, 3), dtype=np.uint8)
+    if c > 1000:  # every product at its largest, one sign: the sum passes 2^31
+        x[:], w[:], io, wo = 255, 255, 0, 0
+    else:
+        io, wo = int(rng.integers(0, 256)), int(rng.integers(0, 256))
+    before = (kh // 2, kw // 2)
+    got = dsp._conv_sums(x, w, io, wo, (1, 1), before, (hw, hw))
+    xp = np.pad(x.astype(np.int64) - io, ((0, 0), (before[0],) * 2, (before[1],) * 2, (0, 0)))
+    want = np.zeros((1, hw, hw, 3), dtype=np.int64)
+    for i in range(kh):
+        for j in range(kw):
+            want += np.einsum("nhwc,co->nhwo", xp[:, i:i + hw, j:j + hw], w[i, j].astype(np.int64) - wo)
+    assert np.array_equal(got, dsp._wrap32(want))
+    assert (c > 1000) == bool(np.any(want != dsp._wrap32(want)))

@@ -287,8 +287,16 @@ def _apply_relu(out_min, out_max, relu) -> tuple[float, float]:
 # Exact integer convolution sums
 # ----------------------------------------------------------------------------------------------
 
+#: |x - in_offset| <= 255 and |w - w_offset| <= 255, so a product is at most PRODUCT_MAX < 2^16: float32 holds every
+#: partial sum of up to F32_EXACT_TERMS products exactly (256 * 65025 < 2^24), and a sum of fewer than 33026
+#: products never leaves int32 (the wrap is then the identity).
+PRODUCT_MAX = 255 * 255
+F32_EXACT_TERMS = 256
+
+
 def _windows(x, in_offset: int, kernel, strides, before, out_hw) -> np.ndarray:
-    """[N, OH, OW, C, KH, KW] float64 windows of ``x - in_offset``, zero outside the input.
+    """[N, OH, OW, C, KH, KW] float32 windows of ``x - in_offset`` (exact: |x - in_offset| <= 255), zero outside
+    the input.
 
     Outside positions hold ``in_offset`` in nnlib (zapped d32 padding) or are skipped (flat
     reference); both contribute ``(in_offset - in_offset) * w = 0``.
@@ -298,39 +306,54 @@ def _windows(x, in_offset: int, kernel, strides, before, out_hw) -> np.ndarray:
     sh, sw = strides
     oh, ow = out_hw
     need_h, need_w = (oh - 1) * sh + kh, (ow - 1) * sw + kw
-    xp = np.zeros((n, need_h, need_w, c), dtype=np.float64)
+    xp = np.zeros((n, need_h, need_w, c), dtype=np.float32)
     bh, bw = before  # xp[j] holds x[j - before]
     ys, ye = max(0, bh), min(need_h, h + bh)
     xs, xe = max(0, bw), min(need_w, w + bw)
     if ye > ys and xe > xs:
-        xp[:, ys:ye, xs:xe, :] = x[:, ys - bh:ye - bh, xs - bw:xe - bw, :].astype(np.float64) - in_offset
+        xp[:, ys:ye, xs:xe, :] = x[:, ys - bh:ye - bh, xs - bw:xe - bw, :].astype(np.float32) - np.float32(in_offset)
     return sliding_window_view(xp, (kh, kw), axis=(1, 2))[:, ::sh, ::sw][:, :oh, :ow]
+
+
+def _exact_sums(acc: np.ndarray, terms: int) -> np.ndarray:
+    """Exact integer sums of ``terms`` products (float arrays) as int64, wrapped to int32 as the node's
+    accumulator where a sum could leave int32."""
+    a = acc.astype(np.int64)
+    return a if terms * PRODUCT_MAX < 2 ** 31 else _wrap32(a)
 
 
 def _conv_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray:
     """int64 [N,OH,OW,O]: sum((x - in_off)*(w - w_off)) over in-bounds taps, wrapped to int32.
 
-    float64 GEMM is exact: each term < 2^16, so sums stay below 2^53 for K < 2^37.
+    A pointwise conv is float32 GEMMs over chunks of at most F32_EXACT_TERMS channels, each exact, summed
+    exactly in float64; otherwise one float64 contraction, exact while sums stay below 2^53 (K < 2^37).
     """
     kh, kw, c, o = w.shape
-    wz = w.astype(np.float64) - w_offset
     if (kh, kw) == (1, 1) and tuple(before) == (0, 0) and tuple(out_hw) == x.shape[1:3] and tuple(strides) == (1, 1):
-        acc = (x.reshape(-1, c).astype(np.float64) - in_offset) @ wz.reshape(c, o)  # a pointwise conv: one GEMM
-        return _wrap32(acc.astype(np.int64)).reshape(*x.shape[:3], o)
+        rows = x.reshape(-1, c).astype(np.float32) - np.float32(in_offset)
+        wz = w.reshape(c, o).astype(np.float32) - np.float32(w_offset)
+        if c <= F32_EXACT_TERMS:
+            acc = rows @ wz
+        else:
+            acc = np.zeros((rows.shape[0], o), dtype=np.float64)
+            for k0 in range(0, c, F32_EXACT_TERMS):
+                acc += rows[:, k0:k0 + F32_EXACT_TERMS] @ wz[k0:k0 + F32_EXACT_TERMS]
+        return _exact_sums(acc, c).reshape(*x.shape[:3], o)
     win = _windows(x, in_offset, (kh, kw), strides, before, out_hw)
-    acc = np.einsum("nhwcij,ijco->nhwo", win, wz, optimize=True)
-    return _wrap32(acc.astype(np.int64))
+    acc = np.einsum("nhwcij,ijco->nhwo", win, w.astype(np.float64) - w_offset, optimize=True)
+    return _exact_sums(acc, kh * kw * c)
 
 
 def _dw_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray:
     kh, kw = w.shape[:2]
     win = _windows(x, in_offset, (kh, kw), strides, before, out_hw)
-    wz = w[:, :, :, 0].astype(np.float64) - w_offset
-    acc = np.zeros(win.shape[:4], dtype=np.float64)
-    for i in range(kh):  # tap by tap: exact (every partial sum is an integer below 2^53)
+    dtype = np.float32 if kh * kw <= F32_EXACT_TERMS else np.float64  # every partial sum exact
+    wz = w[:, :, :, 0].astype(dtype) - dtype(w_offset)
+    acc = np.zeros(win.shape[:4], dtype=dtype)
+    for i in range(kh):  # tap by tap
         for j in range(kw):
             acc += win[..., i, j] * wz[i, j]
-    return _wrap32(acc.astype(np.int64))
+    return _exact_sums(acc, kh * kw)
 
 
 def _check_conv(x, w, *, op: str):
