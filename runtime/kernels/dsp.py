@@ -453,7 +453,8 @@ def _dw_junk_sums(x, w, filt_offset: int, strides, before, out_hw):
     """``junk_sums`` for the depthwise kernel: sums at ``dwise_computed_cols`` outside the output.
 
     The kernel reads ``in_offset`` at padding, so each sum of ``(v - in_offset) * (w - filt_offset)`` is
-    ``sum_inside v * wz - in_offset * sum_inside wz``: exact int64 sums, wrapped to int32 at the end.
+    ``sum_inside v * wz - in_offset * sum_inside wz``, wrapped to int32 at the end. Both sums run over the
+    KH*KW taps of products below 2^16 (|v|, |wz| <= 255), so float32 holds them exactly for up to 256 taps.
     """
     kh, kw = w.shape[:2]
     index = _dw_junk_index(tuple(x.shape), (kh, kw), tuple(strides), tuple(before), tuple(out_hw))
@@ -461,10 +462,11 @@ def _dw_junk_sums(x, w, filt_offset: int, strides, before, out_hw):
         return None
     p, ok = index
     c = x.shape[3]
-    wz = w[:, :, :, 0].astype(np.int64) - filt_offset  # [KH, KW, C]
-    v = np.where(ok, x.reshape(-1)[p], 0).astype(np.int64)  # [N, OH, J, C, KH, KW]
-    s1 = np.einsum("nhjcab,abc->nhjc", v, wz)
-    s0 = np.einsum("nhjcab,abc->nhjc", ok.astype(np.int64), wz)
+    dtype = np.float32 if kh * kw <= F32_EXACT_TERMS else np.float64
+    wz = w[:, :, :, 0].astype(dtype) - dtype(filt_offset)  # [KH, KW, C]
+    v = np.where(ok, x.reshape(-1)[p], 0).astype(dtype)  # [N, OH, J, C, KH, KW]
+    s1 = np.einsum("nhjcab,abc->nhjc", v, wz).astype(np.int64)
+    s0 = np.einsum("nhjcab,abc->nhjc", ok.astype(dtype), wz).astype(np.int64)
 
     def sums(io):
         return _wrap32(s1 - io * s0).reshape(-1, c)
