@@ -45,7 +45,9 @@ half away; ``fast_roundf`` is ``convert_sf2w`` (nearest-even, saturate). int32 o
 """
 from __future__ import annotations
 
+import functools
 import math
+import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -138,6 +140,13 @@ _DIV255_K2 = -float.fromhex("0xF.EFEFFp-36")
 
 def flt_div_255(x: float) -> float:
     """quantize.h ``flt_div_255`` on Hexagon: ``sfmpyacc(f32(K2*x), x, K1)`` = fma(x, K1, f32(K2*x))."""
+    return _flt_div_255(struct.pack("<d", x))  # keyed by the bits: -0.0 and 0.0 stay apart
+
+
+@functools.lru_cache(maxsize=4096)
+def _flt_div_255(bits: bytes) -> float:
+    """The exact fused step (rational arithmetic, slow) once per value: a run meets the same ranges again."""
+    x = struct.unpack("<d", bits)[0]
     return fmaf_exact(x, _DIV255_K1, fmul(_DIV255_K2, x))
 
 
