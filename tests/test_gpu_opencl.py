@@ -246,6 +246,50 @@ def test_each_bias_path_equals_the_scalar_reference(depthwise):
         assert 0 < np.count_nonzero((want > 0) & (want < 255))  # codes inside the range, not only saturated
 
 
+def test_compiled_depthwise_equals_the_numpy_path_and_the_reference(monkeypatch):
+    from maceq.runtime.kernels import jit
+
+    if not jit.available():
+        pytest.skip("numba not available: the numpy path is the only one")
+    rng = np.random.default_rng(50)
+    calls = []
+    compiled = jit.gpu_depthwise
+    monkeypatch.setattr(jit, "gpu_depthwise", lambda *a: calls.append(1) or compiled(*a))
+    cases = 0
+    for k, st, dil, pads in (((3, 3), (1, 1), (1, 1), (1, 1, 1, 1)), ((3, 3), (2, 2), (1, 1), (0, 1, 0, 1)),
+                             ((5, 5), (1, 2), (2, 1), (2, 1, 3, 0)), ((1, 1), (1, 1), (1, 1), (0, 0, 0, 0))):
+        c = int(rng.integers(1, 40))
+        x = rng.integers(0, 256, (2, 9, 11, c), dtype=np.uint8)
+        w = rng.integers(-128, 128, (*k, c, 1), dtype=np.int8)
+        bias = rng.integers(-50_000, 50_000, c).astype(np.int32)
+        kw = dict(x_zp=int(rng.integers(0, 256)), out_zp=int(rng.integers(0, 256)), strides=st, dilations=dil,
+                  pads=pads, scale_c=g.gpu_requant_scales(F32(0.02), F32(rng.uniform(1e-3, 1e-2, c)).astype(F32),
+                                                         F32(0.05)))
+        got = g.gpu_depthwise_conv2d(x, w, bias, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(jit, "available", lambda: False)
+            numpy_path = g.gpu_depthwise_conv2d(x, w, bias, **kw)
+        assert np.array_equal(got, numpy_path) and _mismatch(g.gpu_depthwise_conv2d_ref(x, w, bias, **kw), got) == 0
+        cases += 1
+    assert len(calls) == cases  # every case took the compiled path
+    # the requantization's two float32 roundings (no FMA) on crafted points: a 1x1 depthwise with x = x_zp
+    # gives requant(bias) per channel; points where a fused multiply-add would give the neighbouring code
+    acc = rng.integers(1000, 2 ** 22, 20_000)
+    zp = 20  # results in [32, 52]: codes inside the range, f32(acc * s) a binade below them
+    target = np.floor(32 + rng.uniform(0, 1, acc.size) * zp) + 0.5 - zp
+    s = np.nextafter((target / acc).astype(F32), F32(np.inf))
+    fused = (acc.astype(F32).astype(np.float64) * s.astype(np.float64) + zp).astype(F32)
+    differ = np.rint(fused) != np.rint(acc.astype(F32) * s + F32(zp))
+    acc, s = acc[differ][:500], s[differ][:500]
+    assert acc.size == 500
+    x = np.zeros((1, 1, 1, acc.size), dtype=np.uint8)
+    w = np.ones((1, 1, acc.size, 1), dtype=np.int8)
+    got = g.gpu_depthwise_conv2d(x, w, acc.astype(np.int32), x_zp=0, out_zp=zp, scale_c=s)
+    assert [g.gpu_requantize_acc_ref(int(a), sc, zp) for a, sc in zip(acc, s)] == got.reshape(-1).tolist()
+    assert np.all((got > 30) & (got < 55))  # not saturated: the roundings decide every code
+    assert len(calls) == cases + 1
+
+
 def test_conv_wraps_int32_like_the_kernel(be):
     x = np.full((1, 1, 3, 2), 255, dtype=np.uint8)
     w = np.full((2, 1, 3, 2), 127, dtype=np.int8)

@@ -43,6 +43,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.runtime.fixedpoint import wrap_int32
+from maceq.runtime.kernels import jit
 from maceq.runtime.kernels.concat import _qpair
 from maceq.runtime.kernels.conv import conv_output_size
 from maceq.runtime.kernels.resize import resize_scale
@@ -315,6 +316,13 @@ def conv_args(op: str, x, w, bias, *, x_zp, out_zp, scale_c, strides, pads, dila
 F32_EXACT_TERMS = 256
 
 
+def _centred(a: ConvArgs) -> np.ndarray:
+    """The float32 input ``x - x_zp`` (exact: |x - x_zp| <= 255), zero-padded by the conv's pads."""
+    t, l, b, r = a.pads
+    xp = a.x.astype(_F32) - _F32(a.x_zp)
+    return np.pad(xp, ((0, 0), (t, b), (l, r), (0, 0))) if any(a.pads) else xp
+
+
 def _taps(a: ConvArgs):
     """Yield (i, j, view): the float32 ``x - x_zp`` (exact: |x - x_zp| <= 255) under tap (i, j) for every
     output position.
@@ -322,10 +330,8 @@ def _taps(a: ConvArgs):
     Padded positions hold 0, which is what an out-of-image tap contributes in the kernel
     (it skips them) and what MACE's im2col gives (it pads with ``x_zp``).
     """
-    (sh, sw), (dh, dw), (t, l, b, r) = a.strides, a.dilations, a.pads
-    xp = a.x.astype(_F32) - _F32(a.x_zp)
-    if any(a.pads):
-        xp = np.pad(xp, ((0, 0), (t, b), (l, r), (0, 0)))
+    (sh, sw), (dh, dw) = a.strides, a.dilations
+    xp = _centred(a)
     for i in range(a.kh):
         for j in range(a.kw):
             y0, x0 = i * dh, j * dw
@@ -437,6 +443,10 @@ def gpu_depthwise_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, st
                   strides=strides, pads=pads, dilations=dilations, depthwise=True)
     n = a.x.shape[0]
     exact32 = a.kh * a.kw <= F32_EXACT_TERMS  # the tap-by-tap float32 sum stays an exact integer
+    if a.m == 1 and exact32 and jit.available() and sum_path(a.kh * a.kw, a.bias, _F32) == "float32":
+        # the same float32 steps in one compiled pass (equal to the numpy path below: tests/test_gpu_opencl.py)
+        return jit.gpu_depthwise(_centred(a), a.w[:, :, :, 0].astype(_F32), a.bias.astype(_F32), a.scale,
+                                 a.out_zp, a.strides, a.dilations, (a.oh, a.ow))
     acc = np.zeros((n, a.oh, a.ow, a.c) + ((a.m,) if a.m > 1 else ()), dtype=_F32 if exact32 else np.float64)
     wf = a.w.astype(acc.dtype)
     for i, j, view in _taps(a):

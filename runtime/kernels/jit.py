@@ -1,4 +1,6 @@
-"""Compiled (numba) loops for the cpu fast paths: one pass where numpy needs several.
+"""Compiled (numba) loops for the fast paths: one pass where numpy needs several.
+
+The gpu and dsp devices have two (the last two items below); the rest are the cpu's.
 
 These loops run the *same* float operations, in the same order per element, as the
 numpy fast paths of :mod:`maceq.runtime.kernels.conv` ("Fast paths", arguments 1-6
@@ -28,6 +30,11 @@ there), so the exactness arguments carry over unchanged:
   MACE's FindMinMax loop, and the Eltwise table look-ups, one pass each. Float32 operations
   are not contracted into FMAs without fast-math (tests/test_quantize_kernel.py has crafted
   points where an FMA would differ and requires 0 mismatches on this path).
+- ``gpu_depthwise``: the gpu's depthwise convolution (multiplier 1) where every tap sum is an exact
+  float32 integer and the bias keeps it below 2^24 (runtime/kernels/gpu.py ``sum_path``), with its
+  requantization: the numpy path's float32 steps per element (tests/test_gpu_opencl.py compares it with
+  the numpy path, the scalar reference and crafted points where an FMA would differ).
+- ``d32_requant``: nnlib's d32 requantization, integer steps only (tests/test_dsp_fills.py).
 
 ``available()`` says whether numba imported; the plans fall back to their numpy paths
 otherwise, or when ``MACEQ_NO_JIT=1`` is set (tests run both and compare each with
@@ -55,7 +62,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
     njit = None
 
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
-           "lut_pairs", "find_range", "quantize_neon", "d32_requant"]
+           "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise"]
 
 
 def available() -> bool:
@@ -279,6 +286,34 @@ if njit is not None:
                 else:
                     out[i] = np.int32(min(max(d, 0.0), 255.0))
 
+    @_pjit
+    def _gpu_depthwise(xp, w, bias, scale, zp, sh, sw, dh, dw, out):
+        """The gpu's depthwise convolution (multiplier 1) and requantization for one output row per task:
+        acc = sum over taps of xp * w in float32 (exact: integers below 2^24, runtime/kernels/gpu.py), then
+        sat_rte(f32(f32(acc + bias) * scale) + zp), every step one float32 rounding, NaN -> 0."""
+        n, oh, ow, c = out.shape
+        kh, kw = w.shape[0], w.shape[1]
+        for r in prange(n * oh):
+            b, y = r // oh, r % oh
+            acc = np.empty(c, np.float32)
+            for x in range(ow):
+                acc[:] = np.float32(0)
+                for i in range(kh):
+                    row = xp[b, y * sh + i * dh]
+                    for j in range(kw):
+                        px = row[x * sw + j * dw]
+                        wt = w[i, j]
+                        for k in range(c):
+                            acc[k] += px[k] * wt[k]
+                dst = out[b, y, x]
+                for k in range(c):
+                    v = (acc[k] + bias[k]) * scale[k]
+                    v = np.rint(v + zp)
+                    if v != v:
+                        dst[k] = 0
+                    else:
+                        dst[k] = np.uint8(min(max(v, np.float32(0)), np.float32(255)))
+
     @_jit
     def _wrap32(v):
         return ((v + 2147483648) & 0xFFFFFFFF) - 2147483648
@@ -305,6 +340,16 @@ def lut_pairs(a: np.ndarray, b: np.ndarray, body: int, body_table: np.ndarray, t
     out = np.empty(a.shape, np.uint8)
     _lut_pairs(np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1), int(body), body_table,
                tail_table, out.reshape(-1))
+    return out
+
+
+def gpu_depthwise(xp: np.ndarray, w: np.ndarray, bias: np.ndarray, scale: np.ndarray, zp, strides, dilations,
+                  out_hw) -> np.ndarray:
+    """The gpu depthwise convolution's codes from the centred, padded float32 input ``xp`` [N, HP, WP, C], float32
+    taps ``w`` [KH, KW, C] and float32 ``bias`` and ``scale`` [C] (runtime/kernels/gpu.py decides when it applies)."""
+    out = np.empty((xp.shape[0], out_hw[0], out_hw[1], xp.shape[3]), np.uint8)
+    _gpu_depthwise(np.ascontiguousarray(xp), np.ascontiguousarray(w), bias, scale, np.float32(zp), int(strides[0]),
+                   int(strides[1]), int(dilations[0]), int(dilations[1]), out)
     return out
 
 
