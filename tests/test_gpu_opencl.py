@@ -246,7 +246,7 @@ def test_each_bias_path_equals_the_scalar_reference(depthwise):
         assert 0 < np.count_nonzero((want > 0) & (want < 255))  # codes inside the range, not only saturated
 
 
-def test_compiled_depthwise_equals_the_numpy_path_and_the_reference(monkeypatch):
+def test_compiled_gpu_paths_equal_the_numpy_path_and_the_reference(monkeypatch):
     from maceq.runtime.kernels import jit
 
     if not jit.available():
@@ -288,6 +288,20 @@ def test_compiled_depthwise_equals_the_numpy_path_and_the_reference(monkeypatch)
     assert [g.gpu_requantize_acc_ref(int(a), sc, zp) for a, sc in zip(acc, s)] == got.reshape(-1).tolist()
     assert np.all((got > 30) & (got < 55))  # not saturated: the roundings decide every code
     assert len(calls) == cases + 1
+    # a pointwise conv's float32 sums take the compiled requantization alone
+    requants = []
+    compiled_rq = jit.gpu_requant
+    monkeypatch.setattr(jit, "gpu_requant", lambda *a: requants.append(1) or compiled_rq(*a))
+    x = rng.integers(0, 256, (1, 7, 5, 24), dtype=np.uint8)
+    w = rng.integers(-128, 128, (16, 1, 1, 24), dtype=np.int8)
+    bias = rng.integers(-50_000, 50_000, 16).astype(np.int32)
+    kw = dict(x_zp=17, out_zp=131, scale_c=g.gpu_requant_scales(F32(0.02), F32(rng.uniform(1e-3, 1e-2, 16))
+                                                                .astype(F32), F32(0.05)))
+    got = g.gpu_conv2d(x, w, bias, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(jit, "available", lambda: False)
+        assert np.array_equal(got, g.gpu_conv2d(x, w, bias, **kw))
+    assert _mismatch(g.gpu_conv2d_ref(x, w, bias, **kw), got) == 0 and requants == [1]
 
 
 def test_conv_wraps_int32_like_the_kernel(be):

@@ -414,6 +414,8 @@ def _requantize_sums(acc: np.ndarray, a: ConvArgs, terms: int) -> np.ndarray:
     path = sum_path(terms, a.bias, acc.dtype)
     if path == "wrap":
         return gpu_requantize_acc(_wrap_acc(acc, a.bias), a.scale, a.out_zp)
+    if path == "float32" and jit.available():  # the same float32 steps in one compiled pass
+        return jit.gpu_requant(acc, a.bias.astype(_F32), a.scale, a.out_zp)
     with np.errstate(**_IEEE):
         if path == "float32":
             y = acc + a.bias.astype(_F32)

@@ -30,10 +30,11 @@ there), so the exactness arguments carry over unchanged:
   MACE's FindMinMax loop, and the Eltwise table look-ups, one pass each. Float32 operations
   are not contracted into FMAs without fast-math (tests/test_quantize_kernel.py has crafted
   points where an FMA would differ and requires 0 mismatches on this path).
-- ``gpu_depthwise``: the gpu's depthwise convolution (multiplier 1) where every tap sum is an exact
-  float32 integer and the bias keeps it below 2^24 (runtime/kernels/gpu.py ``sum_path``), with its
-  requantization: the numpy path's float32 steps per element (tests/test_gpu_opencl.py compares it with
-  the numpy path, the scalar reference and crafted points where an FMA would differ).
+- ``gpu_depthwise`` / ``gpu_requant``: the gpu's depthwise convolution (multiplier 1) where every tap
+  sum is an exact float32 integer and the bias keeps it below 2^24 (runtime/kernels/gpu.py
+  ``sum_path``), with its requantization; and that requantization alone on a GEMM's sums. The numpy
+  path's float32 steps per element (tests/test_gpu_opencl.py compares them with the numpy path, the
+  scalar reference and crafted points where an FMA would differ).
 - ``d32_requant``: nnlib's d32 requantization, integer steps only (tests/test_dsp_fills.py).
 
 ``available()`` says whether numba imported; the plans fall back to their numpy paths
@@ -62,7 +63,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
     njit = None
 
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
-           "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise"]
+           "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise", "gpu_requant"]
 
 
 def available() -> bool:
@@ -307,12 +308,21 @@ if njit is not None:
                             acc[k] += px[k] * wt[k]
                 dst = out[b, y, x]
                 for k in range(c):
-                    v = (acc[k] + bias[k]) * scale[k]
-                    v = np.rint(v + zp)
-                    if v != v:
-                        dst[k] = 0
-                    else:
-                        dst[k] = np.uint8(min(max(v, np.float32(0)), np.float32(255)))
+                    dst[k] = _gpu_code(acc[k], bias[k], scale[k], zp)
+
+    @_jit
+    def _gpu_code(acc, bias, scale, zp):
+        """sat_rte(f32(f32(acc + bias) * scale) + zp) on float32 scalars (acc + bias exact), NaN -> 0."""
+        v = np.rint((acc + bias) * scale + zp)  # float32 throughout: two roundings, no FMA without fast-math
+        if v != v:
+            return np.uint8(0)
+        return np.uint8(min(max(v, np.float32(0)), np.float32(255)))
+
+    @_pjit
+    def _gpu_requant_rows(acc, bias, scale, zp, out):
+        for r in prange(acc.shape[0]):
+            for k in range(acc.shape[1]):
+                out[r, k] = _gpu_code(acc[r, k], bias[k], scale[k], zp)
 
     @_jit
     def _wrap32(v):
@@ -351,6 +361,15 @@ def gpu_depthwise(xp: np.ndarray, w: np.ndarray, bias: np.ndarray, scale: np.nda
     _gpu_depthwise(np.ascontiguousarray(xp), np.ascontiguousarray(w), bias, scale, np.float32(zp), int(strides[0]),
                    int(strides[1]), int(dilations[0]), int(dilations[1]), out)
     return out
+
+
+def gpu_requant(acc: np.ndarray, bias: np.ndarray, scale: np.ndarray, zp) -> np.ndarray:
+    """The gpu requantization's codes of float32 sums ``acc`` [..., O] (exact integers, and below 2^24 with the
+    float32 ``bias`` [O]) with float32 ``scale`` [O]."""
+    flat = np.ascontiguousarray(acc).reshape(-1, acc.shape[-1])
+    out = np.empty(flat.shape, np.uint8)
+    _gpu_requant_rows(flat, bias, scale, np.float32(zp), out)
+    return out.reshape(acc.shape)
 
 
 def d32_requant(s: np.ndarray, recip_val: int, shamt: int) -> tuple[np.ndarray, int, int]:
