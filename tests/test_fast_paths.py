@@ -24,11 +24,11 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 
+from maceq.app.pipeline import quantize
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.preprocess import PRESETS
 from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
-from maceq.app.pipeline import quantize
 from maceq.runtime import load
 from maceq.runtime.fixedpoint import INT32_MAX, INT32_MIN, multiply_by_quantized_multiplier, requant_floor_terms
 from maceq.runtime.kernels import conv as k_conv
@@ -241,6 +241,24 @@ def test_depthwise_fast_equals_ref_random(loops):
         paths[plan.path(dtype)] += 1
         assert np.array_equal(plan(x), depthwise_conv2d_ref(x, wt, bias, **kw_args)), i
     assert paths["g32"] >= 50 and paths["g64"] >= 2 and paths["generic"] >= 5, paths
+
+
+def test_depthwise_on_a_non_contiguous_input(loops):
+    # an NHWC view of NCHW memory (a layout transpose upstream), no padding, stride 1: the numpy path once
+    # strode over the input as if it were C-ordered and read outside it
+    rng = np.random.default_rng(8)
+    for c, (sh, sw), pads in ((24, (1, 1), (0, 0, 0, 0)), (8, (2, 2), (0, 0, 0, 0)), (16, (1, 1), (1, 0, 1, 2))):
+        nchw = rng.integers(0, 256, (1, c, 12, 9), dtype=np.uint8)
+        x = nchw.transpose(0, 2, 3, 1)
+        assert not x.flags.c_contiguous
+        wt = rng.integers(0, 256, (3, 3, c, 1), dtype=np.uint8)
+        bias, kw_args = _conv_args(rng, c, x_zp=int(rng.integers(256)), lo=0, hi=255, bias_bits=16,
+                                   per_channel=False, big_shift=False)
+        kw_args.update(w_zp=int(rng.integers(256)), strides=(sh, sw), dilations=(1, 1), pads=pads, out_dtype=np.uint8)
+        plan = depthwise_conv2d_plan(wt, bias, **kw_args)
+        assert plan.path(np.uint8) == "g32"
+        want = depthwise_conv2d_ref(np.ascontiguousarray(x), wt, bias, **kw_args)
+        assert np.array_equal(plan(x), want) and np.array_equal(plan(np.ascontiguousarray(x)), want)
 
 
 # ----------------------------------------------------------------------------- FullyConnected

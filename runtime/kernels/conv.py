@@ -749,8 +749,8 @@ class _ExactRequant:
 
 def _centered(x: np.ndarray, x_zp: int, g: _Geometry, dtype) -> np.ndarray:
     """(x - x_zp) in ``dtype`` with zero padding (== padding x with x_zp first); exact, |x - x_zp| <= 2^16."""
-    if not (g.top or g.bottom or g.left or g.right):
-        return np.subtract(x, x_zp, dtype=dtype)
+    if not (g.top or g.bottom or g.left or g.right):  # C order whatever x's layout: the callers stride over it
+        return np.subtract(x, x_zp, out=np.empty(x.shape, dtype), dtype=dtype)
     xp = np.empty((x.shape[0], g.h + g.top + g.bottom, g.w + g.left + g.right, g.c), dtype)
     _zero_border(xp, g.top, g.top + g.h, g.left, g.left + g.w)
     np.subtract(x, x_zp, out=xp[:, g.top:g.top + g.h, g.left:g.left + g.w, :], dtype=dtype)
