@@ -113,3 +113,26 @@ def test_conv_sums_equal_plain_int64_sums(shape):
             want += np.einsum("nhwc,co->nhwo", xp[:, i:i + hw, j:j + hw], w[i, j].astype(np.int64) - wo)
     assert np.array_equal(got, dsp._wrap32(want))
     assert (c > 1000) == bool(np.any(want != dsp._wrap32(want)))
+
+
+def test_hvx_quantize_compiled_equals_numpy_and_the_scalar_reference(monkeypatch):
+    from maceq.runtime.kernels import jit
+
+    if not jit.available():
+        pytest.skip("numba not available: the numpy path is the only one")
+    rng = np.random.default_rng(11)
+    for lo, hi in ((-1.0, 1.0), (0.0, 6.0), (-300.5, 0.25), (-1e-3, 2e-3), (0.0, 1e6)):
+        p = r.find_scaling_for_hvx_quant(-r.f32(lo), r.f32(hi))
+        # values in and around the range, and every kind of bit pattern (zeros, subnormals, inf, NaN)
+        x = np.concatenate([rng.uniform(lo * 1.5, hi * 1.5, 20_000).astype(np.float32),
+                            rng.integers(0, 2 ** 32, 5_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                            np.array([0.0, -0.0, lo, hi, np.inf, -np.inf, 1e-45, 3.0], dtype=np.float32)])
+        x = x.reshape(8, -1)  # any shape
+        got = jit.hvx_quantize(x, p.common_exp, p.min_offset, p.scaling & 0xFFFF)
+        assert got.shape == x.shape and np.array_equal(got, dsp._hvx_quantize_numpy(x, p))
+        flat = x.reshape(-1)
+        assert all(r.hvx_quantize_word(float(flat[k]), p) == int(got.reshape(-1)[k]) for k in range(0, 20_000, 211))
+    calls = []
+    monkeypatch.setattr(jit, "hvx_quantize", lambda *a: calls.append(1) or dsp._hvx_quantize_numpy(a[0], p))
+    dsp.quantize_input(np.linspace(-1, 1, 64, dtype=np.float32))
+    assert calls == [1]  # the kernels take the compiled path while it is available

@@ -922,7 +922,15 @@ def quantize_input(x):
 
 
 def _hvx_quantize(xf: np.ndarray, p: r.HvxQuantParms) -> np.ndarray:
-    """``nnlib_ref.hvx_quantize_word`` on every element (quantize_floats_to_8b_asm)."""
+    """``nnlib_ref.hvx_quantize_word`` on every element (quantize_floats_to_8b_asm); the compiled loop when it is
+    available (the same integer steps in one pass, equal to :func:`_hvx_quantize_numpy`: tests/test_dsp_fills.py)."""
+    if jit.available():
+        return jit.hvx_quantize(xf, p.common_exp, p.min_offset, p.scaling & 0xFFFF)
+    return _hvx_quantize_numpy(xf, p)
+
+
+def _hvx_quantize_numpy(xf: np.ndarray, p: r.HvxQuantParms) -> np.ndarray:
+    """``nnlib_ref.hvx_quantize_word`` on every element, vectorised."""
     bits = xf.view(np.uint32).astype(np.int64)
     amount = np.minimum(p.common_exp - ((bits >> 23) & 0xFF), 31)
     s = ((amount & 0x3F) ^ 0x20) - 0x20  # vlsr: 6-bit signed amount, negative shifts left

@@ -35,7 +35,8 @@ there), so the exactness arguments carry over unchanged:
   ``sum_path``), with its requantization; and that requantization alone on a GEMM's sums. The numpy
   path's float32 steps per element (tests/test_gpu_opencl.py compares them with the numpy path, the
   scalar reference and crafted points where an FMA would differ).
-- ``d32_requant``: nnlib's d32 requantization, integer steps only (tests/test_dsp_fills.py).
+- ``d32_requant`` / ``hvx_quantize``: nnlib's d32 requantization and HVX quantizer, integer steps only
+  (tests/test_dsp_fills.py).
 
 ``available()`` says whether numba imported; the plans fall back to their numpy paths
 otherwise, or when ``MACEQ_NO_JIT=1`` is set (tests run both and compare each with
@@ -63,7 +64,8 @@ except ImportError:  # pragma: no cover - exercised only without numba
     njit = None
 
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
-           "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise", "gpu_requant"]
+           "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise", "gpu_requant",
+           "hvx_quantize"]
 
 
 def available() -> bool:
@@ -324,6 +326,26 @@ if njit is not None:
             for k in range(acc.shape[1]):
                 out[r, k] = _gpu_code(acc[r, k], bias[k], scale[k], zp)
 
+    @_pjit
+    def _hvx_quantize(bits, common_exp, min_offset, scale16, out):
+        """nnlib's HVX float -> uint8 quantizer on float32 bit patterns (runtime/kernels/dsp.py,
+        _hvx_quantize_numpy): the same int64 steps per element."""
+        n = bits.shape[0]
+        for k in prange((n + _CHUNK - 1) // _CHUNK):
+            for i in range(k * _CHUNK, min(n, (k + 1) * _CHUNK)):
+                b = np.int64(bits[i])
+                amount = min(common_exp - ((b >> 23) & 0xFF), 31)
+                sh = ((amount & 0x3F) ^ 0x20) - 0x20  # vlsr: 6-bit signed amount, negative shifts left
+                mant = (b & 0x7FFFFF) | 0x800000
+                if sh >= 0:
+                    mant = mant >> sh
+                else:
+                    mant = (mant << min(-sh, 32)) & 0xFFFFFFFF
+                if b >= 0x80000000:
+                    mant = -mant
+                word = (_wrap32(mant + min_offset) * scale16) >> 16
+                out[i] = min(max(word, 0), 0xFFFF) >> 8
+
     @_jit
     def _wrap32(v):
         return ((v + 2147483648) & 0xFFFFFFFF) - 2147483648
@@ -370,6 +392,14 @@ def gpu_requant(acc: np.ndarray, bias: np.ndarray, scale: np.ndarray, zp) -> np.
     out = np.empty(flat.shape, np.uint8)
     _gpu_requant_rows(flat, bias, scale, np.float32(zp), out)
     return out.reshape(acc.shape)
+
+
+def hvx_quantize(xf: np.ndarray, common_exp: int, min_offset: int, scale16: int) -> np.ndarray:
+    """nnlib's HVX quantizer of a float32 array (any shape) with its parameters (``HvxQuantParms``)."""
+    bits = np.ascontiguousarray(xf, dtype=np.float32).reshape(-1).view(np.uint32)
+    out = np.empty(bits.shape[0], np.uint8)
+    _hvx_quantize(bits, np.int64(common_exp), np.int64(min_offset), np.int64(scale16), out)
+    return out.reshape(np.shape(xf))
 
 
 def d32_requant(s: np.ndarray, recip_val: int, shamt: int) -> tuple[np.ndarray, int, int]:
