@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maceq.runtime.graph import RtOp
-from maceq.runtime.model import PrepareContext, QTensor
-from maceq.runtime.ops_dsp import qinfo_of_range, rng
 from maceq.runtime.devices import Device, device_spec
+from maceq.runtime.graph import RtOp
+from maceq.runtime.model import Model, PrepareContext, QTensor
+from maceq.runtime.ops_dsp import qinfo_of_range, rng
 from maceq.runtime.qtypes import QInfo
 from maceq.runtime.registry import lookup, prepare_op
 
@@ -182,10 +182,11 @@ def golden_model(request, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _models())
-def test_model_outputs(name, golden_model):
-    """maceq's dsp simulation of each image vs nnlib's float outputs (MACE's DequantizeOUTPUT_8tof)."""
+def test_model_outputs(name, golden_model, loops):
+    """maceq's dsp simulation of each image vs nnlib's float outputs (MACE's DequantizeOUTPUT_8tof), on the
+    compiled loops and on the numpy paths (a fresh Model: nothing prepared on the other path is reused)."""
     z, meta = _npz(name)
-    model = golden_model(name)
+    model = Model(golden_model(name).loaded)
     lines, total, bad_total = [], 0, 0
     for k in range(len(meta["images"])):
         got = model.run({meta["input"]: z["inputs"][k:k + 1]}, device="dsp")
