@@ -163,3 +163,25 @@ def test_a_run_restores_blas_threads(mnv2):
     model.run({"input": x[:1]}, threads=1, before_op=lambda i, op, ins: seen.append(numpy_blas_threads()) and False)
     assert seen[:first_conv + 1] == [1] * (first_conv + 1) and set(seen) == {1}
     assert numpy_blas_threads() == before
+
+
+def test_gpu_and_dsp_runs_hold_blas_from_their_start():
+    """The gpu and dsp kernels call numpy's BLAS on GEMMs too small to share, beside numba's threads: their runs
+    hold BLAS to one thread from the start (Model.section); a cpu run holds it only from its first compiled
+    convolution."""
+    from threadpoolctl import ThreadpoolController
+
+    from maceq.runtime.model import Model
+
+    path = blas.gemm().path
+
+    def numpy_blas_threads() -> int:
+        return next(i["num_threads"] for i in ThreadpoolController().info() if i["filepath"] == path)
+
+    before = numpy_blas_threads()
+    for device in ("gpu", "dsp"):
+        with Model.section(device, 2):
+            assert numpy_blas_threads() == 1
+        assert numpy_blas_threads() == before
+    with Model.section("cpu", 2):
+        assert numpy_blas_threads() == before
