@@ -82,19 +82,35 @@ def test_d32_requant_compiled_equals_numpy_and_the_scalar_reference(monkeypatch)
         flat = np.asarray(s).reshape(-1)
         for k in range(0, flat.size, 997):  # nnlib_ref's scalar d32_requant on a sample
             assert r.d32_requant(int(flat[k]), recip, shamt)[0] == int(got[0].reshape(-1)[k])
+        # a bias word per channel (last axis), added inside the pass: as adding it first
+        word = rng.integers(-(2 ** 33), 2 ** 33, 10)
+        got, want = jit.d32_requant(s, recip, shamt, word), dsp._d32_requant_numpy(s + word, recip, shamt)
+        assert np.array_equal(got[0], want[0]) and got[1:] == want[1:]
+        assert dsp._d32_requant(s, recip, shamt, word)[1:] == want[1:]
     assert jit.d32_requant(np.zeros(0, np.int64), 1 << 30, 0)[1:] == (1 << 24, -(1 << 24))
     # the kernels take the compiled path while it is available
     calls = []
-    monkeypatch.setattr(jit, "d32_requant", lambda *a: calls.append(a) or dsp._d32_requant_numpy(*a))
+    monkeypatch.setattr(jit, "d32_requant", lambda *a: calls.append(a) or dsp._d32_requant_numpy(*a[:3]))
     dsp._d32_requant(np.arange(10), 1 << 30, 0)
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
 @pytest.mark.parametrize("shape", [((1, 1), 100), ((1, 1), 300), ((3, 3), 40), ((1, 1), 33_100)],
                          ids=["pointwise-one-gemm", "pointwise-chunked", "3x3", "pointwise-wraps"])
-def test_conv_sums_equal_plain_int64_sums(shape):
+def test_conv_sums_equal_plain_int64_sums(shape, path, monkeypatch):
     # the float32 / float64 sums of the supernode equal int64 sums of (x - in_offset) * (w - w_offset), wrapped
-    # to int32 where the bound says a sum can leave it (33,100 products of up to 255 * 255 can)
+    # to int32 where the bound says a sum can leave it (33,100 products of up to 255 * 255 can); the compiled
+    # pointwise GEMMs and numpy's
+    from maceq.runtime.kernels import jit
+
+    if path == "numpy":
+        monkeypatch.setenv("MACEQ_NO_JIT", "1")
+    elif not jit.gemm_available():
+        pytest.skip("numba or the BLAS binding not available: the numpy path is the only one")
+    calls = []
+    real = jit.dsp_pointwise_sums
+    monkeypatch.setattr(jit, "dsp_pointwise_sums", lambda *a: calls.append(1) or real(*a))
     (kh, kw), c = shape
     rng = np.random.default_rng(c)
     hw = 1 if c > 1000 else 6
@@ -113,6 +129,27 @@ def test_conv_sums_equal_plain_int64_sums(shape):
             want += np.einsum("nhwc,co->nhwo", xp[:, i:i + hw, j:j + hw], w[i, j].astype(np.int64) - wo)
     assert np.array_equal(got, dsp._wrap32(want))
     assert (c > 1000) == bool(np.any(want != dsp._wrap32(want)))
+    assert len(calls) == (path == "compiled" and kh == 1)  # which path ran
+
+
+def test_derived_arrays_are_kept_per_live_array_and_dropped_with_it():
+    w = np.arange(2 * 3 * 4 * 5, dtype=np.uint8).reshape(2, 3, 4, 5)
+    a = dsp.ohwi_to_hwio(w)
+    assert a is dsp.ohwi_to_hwio(w) and not a.flags.writeable and a.base is None  # a copy: w can be freed
+    assert np.array_equal(a, np.transpose(w, (1, 2, 3, 0)))
+    for _ in range(2):  # computed, then from the cache: both the scalar reference's
+        assert np.array_equal(dsp.padded_gemsumb(a, 3, 32), r.supernode_d32_gemsumb(a, 3))
+    from maceq.runtime.kernels import derived
+
+    key = id(w)
+    assert key in derived._CACHE
+    del w, a
+    import gc
+
+    gc.collect()
+    assert key not in derived._CACHE
+    with pytest.raises(ValueError, match="view of its source"):
+        derived.derived(np.zeros(4), "view", lambda v: v[1:])
 
 
 def test_hvx_quantize_compiled_equals_numpy_and_the_scalar_reference(monkeypatch):
@@ -136,3 +173,71 @@ def test_hvx_quantize_compiled_equals_numpy_and_the_scalar_reference(monkeypatch
     monkeypatch.setattr(jit, "hvx_quantize", lambda *a: calls.append(1) or dsp._hvx_quantize_numpy(a[0], p))
     dsp.quantize_input(np.linspace(-1, 1, 64, dtype=np.float32))
     assert calls == [1]  # the kernels take the compiled path while it is available
+
+
+def _plain_dw_sums(x, w, io, wo, strides, before, out_hw):
+    """int64 depthwise sums of (x - io) * (w - wo) over the taps inside x, by explicit loops over the taps."""
+    n, h, wd, c = x.shape
+    kh, kw = w.shape[:2]
+    want = np.zeros((n, *out_hw, c), np.int64)
+    for oy in range(out_hw[0]):
+        for ox in range(out_hw[1]):
+            for i in range(kh):
+                for j in range(kw):
+                    iy, ix = oy * strides[0] + i - before[0], ox * strides[1] + j - before[1]
+                    if 0 <= iy < h and 0 <= ix < wd:
+                        want[:, oy, ox] += (x[:, iy, ix].astype(np.int64) - io) * (w[i, j, :, 0].astype(np.int64) - wo)
+    return want
+
+
+@pytest.mark.parametrize("geometry", [((3, 3), (1, 1), (1, 1), (7, 9)), ((3, 3), (2, 2), (0, 1), (4, 5)),
+                                      ((5, 5), (2, 1), (2, 2), (4, 9)), ((3, 3), (1, 2), (2, 0), (8, 3))],
+                         ids=["3x3s1", "3x3s2", "5x5s2x1", "pad-past-taps"])
+def test_dw_sums_compiled_equal_numpy_and_plain_int64_sums(geometry, monkeypatch):
+    from maceq.runtime.kernels import jit
+
+    (kh, kw), strides, before, out_hw = geometry
+    rng = np.random.default_rng(kh * 10 + strides[0])
+    x = rng.integers(0, 256, (2, 8, 9, 37), dtype=np.uint8)
+    w = rng.integers(0, 256, (kh, kw, 37, 1), dtype=np.uint8)
+    x[0, :2], w[0, 0, :5] = 255, 0  # the largest products, both signs after the offsets
+    for io, wo in ((0, 255), (255, 0), (int(rng.integers(0, 256)), int(rng.integers(0, 256)))):
+        want = _plain_dw_sums(x, w, io, wo, strides, before, out_hw)
+        numpy_path = dsp._dw_sums_numpy(x, w, io, wo, strides, before, out_hw)
+        assert np.array_equal(numpy_path, want)
+        if jit.available():
+            assert np.array_equal(jit.dsp_dw_sums(x, w[:, :, :, 0].astype(np.int32) - wo, io, strides, before,
+                                                  out_hw), want)
+    if not jit.available():
+        return  # the numpy path, checked above, is the only one
+    calls = []
+    monkeypatch.setattr(jit, "dsp_dw_sums", lambda *a: calls.append(1) or _plain_dw_sums(x, w, 3, 4, strides,
+                                                                                          before, out_hw))
+    dsp._dw_sums(x, w, 3, 4, strides, before, out_hw)
+    assert calls == [1]  # the kernels take the compiled path while it is available
+
+
+@pytest.mark.parametrize("geometry", [((3, 3), (2, 2), (0, 1), (4, 5)), ((3, 3), (1, 1), (1, 1), (6, 6)),
+                                      ((3, 3), (1, 1), (0, 0), (9, 5))], ids=["3x3s2", "3x3s1", "3x3s1-unpadded"])
+def test_dw_junk_sums_compiled_equal_numpy(geometry, monkeypatch):
+    # the sums at the columns the depthwise kernel computes outside the output: the compiled pass and the
+    # numpy gather and einsums give the same int64 sums for every in_offset (only the 3x3 kernels have such
+    # columns)
+    from maceq.runtime.kernels import jit
+
+    if not jit.available():
+        pytest.skip("numba not available: the numpy path is the only one")
+    (kh, kw), strides, before, out_hw = geometry
+    rng = np.random.default_rng(kh + out_hw[1])
+    x = rng.integers(0, 256, (2, 11, 11, 40), dtype=np.uint8)
+    w = rng.integers(0, 256, (kh, kw, 40, 1), dtype=np.uint8)
+    args = (x, w, int(rng.integers(0, 256)), strides, before, out_hw)
+    compiled = dsp._dw_junk_sums(*args)
+    monkeypatch.setenv("MACEQ_NO_JIT", "1")
+    numpy_path = dsp._dw_junk_sums(*args)
+    assert (compiled is None) == (numpy_path is None)
+    if compiled is None:
+        pytest.fail("this geometry has no discarded columns: the test checks nothing")
+    for io in (0, 255, int(rng.integers(0, 256))):
+        a, b = compiled(io), numpy_path(io)
+        assert a.shape == b.shape and a.size and np.array_equal(a, b)

@@ -43,6 +43,27 @@ def randn(*shape, s=1.0) -> np.ndarray:
 # C float steps
 # ------------------------------------------------------------------------------------------------
 
+@pytest.mark.unit
+def test_f32_rounds_floats_as_numpy_does():
+    # the struct cast of a Python float against numpy's float32 conversion: random doubles of every magnitude,
+    # halfway points between neighbouring floats (ties to even), subnormals, the overflow threshold, specials
+    f32max = float(np.finfo(np.float32).max)
+    ulp_top = 2.0 ** 104  # the spacing of float32 at its largest binade
+    ties = [float(np.float32(v)) + float(np.spacing(np.float32(v))) / 2 for v in RNG.uniform(-1e3, 1e3, 2000)]
+    vals = np.concatenate([RNG.standard_normal(20_000) * 10.0 ** RNG.integers(-50, 50, 20_000),
+                           RNG.integers(0, 2 ** 64, 20_000, dtype=np.uint64).view(np.float64), ties,
+                           [f32max, f32max + ulp_top / 2, f32max + ulp_top / 2 * (1 - 2 ** -30), -f32max - ulp_top,
+                            1e-45, 7e-46, 2 ** -150, 2 ** -149 * 1.5, 0.0, -0.0, np.inf, -np.inf, 1e300, -1e300]])
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = vals.astype(np.float32)
+    got = np.array([cfloat.f32(float(v)) for v in vals], dtype=np.float64)
+    same = (got == want.astype(np.float64)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), vals[~same][:5]
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+    assert cfloat.f32(f32max + ulp_top / 2) == np.inf and cfloat.f32(-f32max - ulp_top) == -np.inf
+    assert cfloat.f32(16777217) == 16777216.0 and cfloat.f32(np.float64(0.1)) == float(np.float32(0.1))
+
+
 def test_fmaf_is_the_exactly_rounded_fused_multiply_add():
     a, b = randn(4000), randn(4000)
     c = randn(4000) * RNG.choice(np.array([1e-9, 1.0, 1e9], F32), 4000)

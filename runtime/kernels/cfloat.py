@@ -129,8 +129,20 @@ else:  # pragma: no cover
 # references the scalar kernel transcriptions use (nnlib_ref.py, float_ops.py *_ref)
 # ----------------------------------------------------------------------------------------------
 
+_F32 = struct.Struct("f")
+
+
 def f32(v) -> float:
-    """Round a Python float/int to the nearest binary32 (ties to even); overflow gives +-inf."""
+    """Round a Python float/int to the nearest binary32 (ties to even); overflow gives +-inf.
+
+    A float goes through C's ``(float)`` cast in ``struct`` (nearest even; it raises where the cast
+    overflows to an infinity); other values through numpy, as the float does with numpy
+    (tests/test_float_neon.py compares both ways)."""
+    if type(v) is float:
+        try:
+            return _F32.unpack(_F32.pack(v))[0]
+        except OverflowError:
+            return math.copysign(INF, v)
     with np.errstate(over="ignore"):
         return float(np.float32(v))
 

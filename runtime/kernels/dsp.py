@@ -3,7 +3,11 @@
 Every kernel equals its scalar transcription in ``nnlib_ref.py`` bit for bit (tests/test_dsp_nnlib.py);
 the scalar parameter steps (range adjustment, reciprocals, retry loops) are shared with it, the
 per-element arithmetic is re-done here in numpy (int64 for the integer steps, float32 where the
-C uses ``float``, float64 BLAS for exact integer GEMMs: every partial sum stays below 2^53).
+C uses ``float``, float32/float64 BLAS for exact integer GEMMs: every partial sum is an integer the
+type holds exactly). Where numba is present, the depthwise sums, the pointwise sums and the d32
+requantization run as compiled loops (runtime/kernels/jit.py), each tested equal to the numpy steps
+(tests/test_dsp_fills.py). What a run derives from the model's constant filters (layouts, offset
+filters, byte sums) is computed once per live filter array (runtime/kernels/derived.py).
 
 Data: NHWC uint8 tensors; each tensor carries a float range ``[min, max]`` as nnlib does
 (level = (max-min)/255, zero = the code of 0.0). Layouts:
@@ -35,6 +39,7 @@ from maceq.errors import MaceqError
 from maceq.mace.enums import Padding as MacePadding
 from maceq.runtime.kernels import jit
 from maceq.runtime.kernels import nnlib_ref as r
+from maceq.runtime.kernels.derived import derived
 from maceq.runtime.kernels.nnlib_ref import INF, Padding
 
 __all__ = [
@@ -125,8 +130,10 @@ def superfc_fill_bias_buf(bias, bias_min, bias_max, sc: "r.D32Scaling", out_min:
 def padded_gemsumb(w, filt_offset: int, dpad: int) -> np.ndarray:
     """``nnlib_ref._padded_gemsumb``, vectorised: per filter the sum of its bytes, depth padded to
     ``dpad`` and filters to a multiple of 32, all padding ``filt_offset``."""
+    w = np.asarray(w)
     kh, kw, c, o = w.shape
-    sums = np.asarray(w, dtype=np.int64).sum(axis=(0, 1, 2)) + kh * kw * (dpad - c) * filt_offset
+    sums = derived(w, "sum_khkwc", lambda v: v.astype(np.int64).sum(axis=(0, 1, 2)))
+    sums = sums + kh * kw * (dpad - c) * filt_offset
     pad = np.full(((o + 31) & ~31) - o, kh * kw * dpad * filt_offset, dtype=np.int64)
     return np.concatenate([sums, pad])
 
@@ -134,16 +141,18 @@ def padded_gemsumb(w, filt_offset: int, dpad: int) -> np.ndarray:
 def dwise_gemsumb(w, filt_offset: int) -> np.ndarray:
     """``nnlib_ref.dwise_gemsumb``, vectorised: per channel the tap sum less ``KH*KW*filt_offset``;
     the channels padded to 32 sum ``filt_offset`` over the real taps."""
+    w = np.asarray(w)
     kh, kw, c, _ = w.shape
-    sums = np.asarray(w[:, :, :, 0], dtype=np.int64).sum(axis=(0, 1)) - filt_offset * kh * kw
+    sums = derived(w, "sum_khkw", lambda v: v[:, :, :, 0].astype(np.int64).sum(axis=(0, 1))) - filt_offset * kh * kw
     pad = np.zeros(((c + 31) & ~31) - c, dtype=np.int64)  # filt_offset*KH*KW - KH*KW*filt_offset
     return np.concatenate([sums, pad])
 
 
 def superfc_gemsumb(w, filt_offset: int) -> np.ndarray:
     """``nnlib_ref.superfc_gemsumb``, vectorised: ``K*filt_offset - sum(w)`` per filter, 0 past them."""
+    w = np.asarray(w)
     k, o = w.shape
-    sums = k * filt_offset - np.asarray(w, dtype=np.int64).sum(axis=0)
+    sums = k * filt_offset - derived(w, "sum_k", lambda v: v.astype(np.int64).sum(axis=0))
     return np.concatenate([sums, np.zeros(((o + 31) & ~31) - o, dtype=np.int64)])
 
 
@@ -158,14 +167,15 @@ def _roundf_i32(f: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 def ohwi_to_hwio(w) -> np.ndarray:
-    """MACE Conv2D filter [O, KH, KW, C] -> nnlib Supernode filter [KH, KW, C, O]."""
-    return np.ascontiguousarray(np.transpose(np.asarray(w), (1, 2, 3, 0)))
+    """MACE Conv2D filter [O, KH, KW, C] -> nnlib Supernode filter [KH, KW, C, O] (read-only; one per live
+    filter array)."""
+    return derived(np.asarray(w), "hwio", lambda v: np.transpose(v, (1, 2, 3, 0)).copy())
 
 
 def fc_weight_to_dsp(w) -> np.ndarray:
-    """MACE FullyConnected weight [O, K] or [O, H, W, C] (NHWC flatten) -> SuperFC [K, O]."""
-    w = np.asarray(w)
-    return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
+    """MACE FullyConnected weight [O, K] or [O, H, W, C] (NHWC flatten) -> SuperFC [K, O] (read-only; one per live
+    weight array)."""
+    return derived(np.asarray(w), "fc", lambda v: v.reshape(v.shape[0], -1).T.copy())
 
 
 def padding_for_pads(*, in_hw, kernel, strides, pads) -> Padding:
@@ -330,8 +340,11 @@ def _conv_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray
     """
     kh, kw, c, o = w.shape
     if (kh, kw) == (1, 1) and tuple(before) == (0, 0) and tuple(out_hw) == x.shape[1:3] and tuple(strides) == (1, 1):
+        wz = derived(w, ("wz32", w_offset), lambda v: v.reshape(c, o).astype(np.float32) - np.float32(w_offset))
+        if jit.gemm_available():  # the same chunked float32 GEMMs, compiled (tests/test_dsp_fills.py)
+            sums = jit.dsp_pointwise_sums(x.reshape(-1, c), in_offset, wz, F32_EXACT_TERMS)
+            return (sums if c * PRODUCT_MAX < 2 ** 31 else _wrap32(sums)).reshape(*x.shape[:3], o)
         rows = x.reshape(-1, c).astype(np.float32) - np.float32(in_offset)
-        wz = w.reshape(c, o).astype(np.float32) - np.float32(w_offset)
         if c <= F32_EXACT_TERMS:
             acc = rows @ wz
         else:
@@ -345,6 +358,17 @@ def _conv_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray
 
 
 def _dw_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray:
+    """int64 [N,OH,OW,C]: the depthwise sum((x - in_offset)*(w - w_offset)) over in-bounds taps, wrapped to int32;
+    one compiled pass in int32 where no sum can leave it (equal to :func:`_dw_sums_numpy`: tests/test_dsp_fills.py)."""
+    kh, kw = w.shape[:2]
+    if jit.available() and kh * kw * PRODUCT_MAX < 2 ** 31:
+        wz = w[:, :, :, 0].astype(np.int32) - np.int32(w_offset)
+        return jit.dsp_dw_sums(x, wz, in_offset, strides, before, out_hw)
+    return _dw_sums_numpy(x, w, in_offset, w_offset, strides, before, out_hw)
+
+
+def _dw_sums_numpy(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray:
+    """:func:`_dw_sums` tap by tap over numpy's window view, in float32 while every partial sum is exact."""
     kh, kw = w.shape[:2]
     win = _windows(x, in_offset, (kh, kw), strides, before, out_hw)
     dtype = np.float32 if kh * kw <= F32_EXACT_TERMS else np.float64  # every partial sum exact
@@ -383,22 +407,23 @@ def _d32_kernel(n_out: int, gemsumb, conv_sums, junk_sums=None):
             cache[io] = (conv_sums(io), junk_sums(io) if junk_sums is not None else None)
         sums, junk = cache[io]
         word = np.asarray(biasbuf, dtype=np.int64) + g * io
-        y, vmin, vmax = _d32_requant(sums + word[:n_out], sc.recip_val, sc.recip_shamt)
-        for extra in (word[n_out:], None if junk is None else junk + word[:n_out]):
+        y, vmin, vmax = _d32_requant(sums, sc.recip_val, sc.recip_shamt, word[:n_out])
+        for extra, add in ((word[n_out:], None), (junk, word[:n_out])):
             if extra is not None and extra.size:
-                _, lo, hi = _d32_requant(extra, sc.recip_val, sc.recip_shamt)
+                _, lo, hi = _d32_requant(extra, sc.recip_val, sc.recip_shamt, add)
                 vmin, vmax = min(vmin, lo), max(vmax, hi)
         return y, vmin, vmax
 
     return kernel
 
 
-def _d32_requant(s, recip_val: int, shamt: int):
-    """d32 requant: (u8 outputs, min raw, max raw) as dwconv2dbbb_c.c; the compiled loop when it is available
-    (the same int64 steps in one pass, equal to :func:`_d32_requant_numpy`: tests/test_dsp_fills.py)."""
+def _d32_requant(s, recip_val: int, shamt: int, word=None):
+    """d32 requant of ``s + word`` (``word`` along the last axis, or none): (u8 outputs, min raw, max raw) as
+    dwconv2dbbb_c.c; the compiled loop when it is available (the same int64 steps in one pass, equal to
+    :func:`_d32_requant_numpy`: tests/test_dsp_fills.py)."""
     if jit.available():
-        return jit.d32_requant(s, recip_val, shamt)
-    return _d32_requant_numpy(s, recip_val, shamt)
+        return jit.d32_requant(s, recip_val, shamt, word)
+    return _d32_requant_numpy(s if word is None else np.asarray(s, dtype=np.int64) + word, recip_val, shamt)
 
 
 def _d32_requant_numpy(s, recip_val: int, shamt: int):
@@ -462,6 +487,10 @@ def _dw_junk_sums(x, w, filt_offset: int, strides, before, out_hw):
         return None
     p, ok = index
     c = x.shape[3]
+    if jit.available():  # one compiled pass over the taps (equal to the numpy steps below: tests/test_dsp_fills.py)
+        wz = (w[:, :, :, 0].astype(np.int64) - filt_offset).reshape(kh * kw, c)
+        s1, s0 = jit.dsp_junk_sums(x.reshape(-1), p.reshape(-1, c, kh * kw), ok.reshape(-1, c, kh * kw), wz)
+        return lambda io: _wrap32(s1 - io * s0)
     dtype = np.float32 if kh * kw <= F32_EXACT_TERMS else np.float64
     wz = w[:, :, :, 0].astype(dtype) - dtype(filt_offset)  # [KH, KW, C]
     v = np.where(ok, x.reshape(-1)[p], 0).astype(dtype)  # [N, OH, J, C, KH, KW]
@@ -623,9 +652,10 @@ def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_m
 
     def kernel(sc: r.D32Scaling, biasbuf):
         if sc.in_offset not in cache:  # exact sum((x - in_offset)*(w - filt_offset))
-            cache[sc.in_offset] = (x.astype(np.float64) - sc.in_offset) @ (w.astype(np.float64) - fo)
+            wz = derived(w, ("wz64", fo), lambda v: v.astype(np.float64) - fo)
+            cache[sc.in_offset] = (x.astype(np.float64) - sc.in_offset) @ wz
         word = np.asarray(biasbuf, dtype=np.int64) - g * sc.in_offset
-        y, vmin, vmax = _d32_requant(cache[sc.in_offset].astype(np.int64) + word[:o], sc.recip_val, sc.recip_shamt)
+        y, vmin, vmax = _d32_requant(cache[sc.in_offset].astype(np.int64), sc.recip_val, sc.recip_shamt, word[:o])
         _, lo, hi = _d32_requant(word[o:], sc.recip_val, sc.recip_shamt)
         return y, min(0, vmin, lo), max(0, vmax, hi)
 

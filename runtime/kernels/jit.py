@@ -35,8 +35,10 @@ there), so the exactness arguments carry over unchanged:
   ``sum_path``), with its requantization; and that requantization alone on a GEMM's sums. The numpy
   path's float32 steps per element (tests/test_gpu_opencl.py compares them with the numpy path, the
   scalar reference and crafted points where an FMA would differ).
-- ``d32_requant`` / ``hvx_quantize``: nnlib's d32 requantization and HVX quantizer, integer steps only
-  (tests/test_dsp_fills.py).
+- ``d32_requant`` / ``hvx_quantize`` / ``dsp_dw_sums`` / ``dsp_junk_sums``: nnlib's d32 requantization, HVX
+  quantizer, depthwise sums and the sums at the depthwise kernel's discarded columns, integer steps only;
+  ``dsp_pointwise_sums``: the supernode's pointwise sums by float32 GEMMs whose partial sums are exact
+  integers (tests/test_dsp_fills.py).
 
 ``available()`` says whether numba imported; the plans fall back to their numpy paths
 otherwise, or when ``MACEQ_NO_JIT=1`` is set (tests run both and compare each with
@@ -65,7 +67,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
 
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
            "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise", "gpu_requant",
-           "hvx_quantize"]
+           "hvx_quantize", "dsp_dw_sums", "dsp_junk_sums", "dsp_pointwise_sums"]
 
 
 def available() -> bool:
@@ -351,19 +353,95 @@ if njit is not None:
         return ((v + 2147483648) & 0xFFFFFFFF) - 2147483648
 
     @_jit
-    def _d32_requant(s, recip_val, shamt, out):
-        """nnlib's d32 requantization (runtime/kernels/dsp.py, _d32_requant), the same int64 steps in one pass:
-        v = wrap32(wrap32(s) << shamt); lsum = (v * recip_val + 2^30) >> 31 (|product| < 2^62: recip_val
-        <= 2^31 - 1); out = clamp(lsum, 0, 255); returns (min, max) of wrap32(lsum) from (2^24, -2^24)."""
+    def _d32_requant(s, word, recip_val, shamt, out):
+        """nnlib's d32 requantization (runtime/kernels/dsp.py, _d32_requant) of s [rows, C] + word [C], the same
+        int64 steps in one pass: v = wrap32(wrap32(s + word) << shamt); lsum = (v * recip_val + 2^30) >> 31
+        (|product| < 2^62: recip_val <= 2^31 - 1); out = clamp(lsum, 0, 255); returns (min, max) of wrap32(lsum)
+        from (2^24, -2^24). |s + word| < 2^63: both are wrapped int32 sums or bias words."""
         vmin, vmax = np.int64(1 << 24), np.int64(-(1 << 24))
-        for i in range(s.shape[0]):
-            v = _wrap32(_wrap32(s[i]) << shamt)
-            lsum = (v * recip_val + 0x40000000) >> 31
-            raw = _wrap32(lsum)
-            vmin = min(vmin, raw)
-            vmax = max(vmax, raw)
-            out[i] = min(max(lsum, 0), 255)
+        for r in range(s.shape[0]):
+            sr, o = s[r], out[r]
+            for i in range(s.shape[1]):
+                v = _wrap32(_wrap32(sr[i] + word[i]) << shamt)
+                lsum = (v * recip_val + 0x40000000) >> 31
+                raw = _wrap32(lsum)
+                vmin = min(vmin, raw)
+                vmax = max(vmax, raw)
+                o[i] = min(max(lsum, 0), 255)
         return vmin, vmax
+
+    @_pjit
+    def _dsp_dw_sums(x, wz, io, sh, sw, bh, bw, out):
+        """nnlib's depthwise sums: out[n, oy, ox, c] = sum over the taps inside x of (x - io) * wz[i, j, c], in
+        int32 (the caller checks KH*KW*255*255 < 2^31, so no partial sum wraps). One output row per task."""
+        n_img, h, wd, c = x.shape
+        _, oh, ow, _ = out.shape
+        kh, kw = wz.shape[0], wz.shape[1]
+        for t in prange(n_img * oh):
+            n, oy = t // oh, t % oh
+            acc = np.empty(c, np.int32)
+            for ox in range(ow):
+                acc[:] = 0
+                for i in range(kh):
+                    iy = oy * sh + i - bh
+                    if iy < 0 or iy >= h:
+                        continue
+                    for j in range(kw):
+                        ix = ox * sw + j - bw
+                        if ix < 0 or ix >= wd:
+                            continue
+                        src, wr = x[n, iy, ix], wz[i, j]
+                        for k in range(c):
+                            acc[k] += (np.int32(src[k]) - io) * wr[k]
+                dst = out[n, oy, ox]
+                for k in range(c):
+                    dst[k] = acc[k]
+
+    @_pjit
+    def _dsp_pointwise_sums(x, io, wz, addr, bits64, block, chunk, out):
+        """out [rows, O] int64 = sum_k (x[r, k] - io) * wz[k, o] for uint8 x [rows, C] and float32 wz [C, O]
+        (|x - io|, |wz| <= 255): per block of rows (one per thread at a time) and chunk of at most ``chunk``
+        channels, the centred rows in float32 and their GEMM by the CBLAS sgemm at addr, whose partial sums are
+        integers below chunk*255*255 <= 2^24 (exact in any order), added into the int64 sums."""
+        rows, c = x.shape
+        o = wz.shape[1]
+        z = np.float32(io)
+        for b in prange((rows + block - 1) // block):
+            r0 = b * block
+            m = min(block, rows - r0)
+            g = np.empty((m, o), np.float32)
+            dst = out[r0:r0 + m]
+            for k0 in range(0, c, chunk):
+                kc = min(chunk, c - k0)
+                a = np.empty((m, kc), np.float32)
+                for r in range(m):
+                    ar, xr = a[r], x[r0 + r, k0:k0 + kc]
+                    for j in range(kc):
+                        ar[j] = np.float32(xr[j]) - z
+                _gemm(addr, bits64, m, o, kc, a, wz[k0:k0 + kc], g)
+                for r in range(m):
+                    gr, d = g[r], dst[r]
+                    if k0 == 0:
+                        for j in range(o):
+                            d[j] = np.int64(gr[j])
+                    else:
+                        for j in range(o):
+                            d[j] += np.int64(gr[j])
+
+    @_pjit
+    def _dsp_junk_sums(xflat, p, ok, wz, s1, s0):
+        """s1[m, c] = sum_t xflat[p[m, c, t]] * wz[t, c] and s0[m, c] = sum_t wz[t, c] over the taps t with
+        ok[m, c, t] (int64: exact for any tap count the kernels have)."""
+        for m in prange(p.shape[0]):
+            for c in range(p.shape[1]):
+                a1, a0 = np.int64(0), np.int64(0)
+                for t in range(p.shape[2]):
+                    if ok[m, c, t]:
+                        wv = np.int64(wz[t, c])
+                        a1 += np.int64(xflat[p[m, c, t]]) * wv
+                        a0 += wv
+                s1[m, c] = a1
+                s0[m, c] = a0
 
 
 def lut_pairs(a: np.ndarray, b: np.ndarray, body: int, body_table: np.ndarray, tail_table: np.ndarray) -> np.ndarray:
@@ -402,12 +480,49 @@ def hvx_quantize(xf: np.ndarray, common_exp: int, min_offset: int, scale16: int)
     return out.reshape(np.shape(xf))
 
 
-def d32_requant(s: np.ndarray, recip_val: int, shamt: int) -> tuple[np.ndarray, int, int]:
-    """nnlib's d32 requantization of int64 sums ``s`` (any shape): (uint8 codes, min raw, max raw)."""
-    flat = np.ascontiguousarray(s, dtype=np.int64).reshape(-1)
-    out = np.empty(flat.shape[0], np.uint8)
-    vmin, vmax = _d32_requant(flat, np.int64(recip_val), np.int64(shamt), out)
-    return out.reshape(np.shape(s)), int(vmin), int(vmax)
+def d32_requant(s: np.ndarray, recip_val: int, shamt: int, word: np.ndarray | None = None
+                ) -> tuple[np.ndarray, int, int]:
+    """nnlib's d32 requantization of int64 sums ``s`` (any shape) plus ``word`` (int64 [C], added along the last
+    axis; none: 0): (uint8 codes, min raw, max raw)."""
+    shape = np.shape(s)
+    c = shape[-1] if word is not None else max(1, int(np.prod(shape)))
+    flat = np.ascontiguousarray(s, dtype=np.int64).reshape(-1, c)
+    word = np.zeros(c, np.int64) if word is None else np.ascontiguousarray(word, dtype=np.int64)
+    out = np.empty(flat.shape, np.uint8)
+    vmin, vmax = _d32_requant(flat, word, np.int64(recip_val), np.int64(shamt), out)
+    return out.reshape(shape), int(vmin), int(vmax)
+
+
+def dsp_dw_sums(x: np.ndarray, wz: np.ndarray, in_offset: int, strides, before, out_hw) -> np.ndarray:
+    """int64 [N, OH, OW, C] depthwise sums of (x - in_offset) * wz over the taps inside the uint8 input
+    ``x`` [N, H, W, C]; ``wz`` int32 [KH, KW, C] with KH*KW*255*255 < 2^31 (runtime/kernels/dsp.py)."""
+    out = np.empty((x.shape[0], out_hw[0], out_hw[1], x.shape[3]), np.int64)
+    _dsp_dw_sums(np.ascontiguousarray(x), np.ascontiguousarray(wz, dtype=np.int32), np.int32(in_offset),
+                 int(strides[0]), int(strides[1]), int(before[0]), int(before[1]), out)
+    return out
+
+
+def dsp_pointwise_sums(x: np.ndarray, in_offset: int, wz: np.ndarray, chunk: int) -> np.ndarray:
+    """int64 [rows, O] sums of (x - in_offset) * wz for uint8 x [rows, C] and the float32 offset filter wz
+    [C, O] (C-contiguous, |wz| <= 255), in float32 GEMMs of at most ``chunk`` channels (chunk*255*255 <= 2^24)
+    on numba's threads (runtime/kernels/dsp.py)."""
+    gm = blas.gemm()
+    rows, c = x.shape
+    o = wz.shape[1]
+    out = np.empty((rows, o), np.int64)
+    with threads.blas_held():
+        _dsp_pointwise_sums(np.ascontiguousarray(x), np.float32(in_offset), wz, gm.sgemm, gm.int_bits == 64,
+                            _block_rows(rows, min(c, chunk), o, 4), int(chunk), out)
+    return out
+
+
+def dsp_junk_sums(xflat: np.ndarray, p: np.ndarray, ok: np.ndarray, wz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sum of xflat[p] * wz, sum of wz) over the taps where ``ok``: int64 [M, C] each, from ``p``, ``ok``
+    [M, C, T] and ``wz`` [T, C] (runtime/kernels/dsp.py, the depthwise kernel's discarded columns)."""
+    m, c = p.shape[:2]
+    s1, s0 = np.empty((m, c), np.int64), np.empty((m, c), np.int64)
+    _dsp_junk_sums(xflat, p, ok, np.ascontiguousarray(wz), s1, s0)
+    return s1, s0
 
 
 def find_range(v: np.ndarray) -> tuple[float, float]:

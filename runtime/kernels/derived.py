@@ -1,0 +1,35 @@
+"""Arrays derived from a model's constant arrays, computed once per live array.
+
+Every run of a model converts its constant filters the same way (a layout, an offset filter in
+float32, the byte sums of each filter). :func:`derived` keeps each such result beside a weak
+reference to its source array and drops it when the source is freed, so a model's conversions live
+as long as the model. Results are read-only copies that never refer to the source.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
+
+import numpy as np
+
+__all__ = ["derived"]
+
+_CACHE: dict = {}  # id(array) -> (weak reference to it, {key: read-only array derived from it})
+
+
+def derived(src: np.ndarray, key: Hashable, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``make(src)`` computed once per live array ``src`` and ``key``, kept until ``src`` is freed; read-only.
+
+    ``make`` must return a new array (not a view of ``src``: that would keep ``src`` alive for ever)."""
+    i = id(src)
+    entry = _CACHE.get(i)
+    if entry is None or entry[0]() is not src:
+        # the default arguments keep the callback working while the interpreter shuts down
+        entry = _CACHE[i] = (weakref.ref(src, lambda _ref, i=i, pop=_CACHE.pop: pop(i, None)), {})
+    hit = entry[1].get(key)
+    if hit is None:
+        hit = entry[1][key] = make(src)
+        if hit.base is not None and np.shares_memory(hit, src):
+            raise ValueError("derived: make() returned a view of its source")
+        hit.flags.writeable = False
+    return hit
