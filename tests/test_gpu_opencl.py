@@ -246,6 +246,18 @@ def test_each_bias_path_equals_the_scalar_reference(depthwise):
         assert 0 < np.count_nonzero((want > 0) & (want < 255))  # codes inside the range, not only saturated
 
 
+def _compiled_numpy_and_reference_agree(monkeypatch, sim, ref, x, w, bias, kw):
+    """sim's codes (compiled path) equal its numpy path's and the reference's, some inside the range."""
+    from maceq.runtime.kernels import jit
+
+    got = sim(x, w, bias, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(jit, "available", lambda: False)
+        assert np.array_equal(got, sim(x, w, bias, **kw))
+    want = ref(x, w, bias, **kw)
+    assert _mismatch(want, got) == 0 and 0 < np.count_nonzero((want > 0) & (want < 255))
+
+
 def test_compiled_gpu_paths_equal_the_numpy_path_and_the_reference(monkeypatch):
     from maceq.runtime.kernels import jit
 
@@ -288,20 +300,47 @@ def test_compiled_gpu_paths_equal_the_numpy_path_and_the_reference(monkeypatch):
     assert [g.gpu_requantize_acc_ref(int(a), sc, zp) for a, sc in zip(acc, s)] == got.reshape(-1).tolist()
     assert np.all((got > 30) & (got < 55))  # not saturated: the roundings decide every code
     assert len(calls) == cases + 1
-    # a pointwise conv's float32 sums take the compiled requantization alone
-    requants = []
-    compiled_rq = jit.gpu_requant
+    # convs: GEMM (on im2col rows past 1x1 stride 1) and requantization per block of rows, compiled (float32 sums;
+    # float32 chunks summed in float64 past 256 terms or with a large bias)
+    pointwise, requants = [], []
+    compiled_pw, compiled_rq = jit.gpu_pointwise, jit.gpu_requant
+    monkeypatch.setattr(jit, "gpu_pointwise", lambda *a, **k: pointwise.append(k["wide"]) or compiled_pw(*a, **k))
     monkeypatch.setattr(jit, "gpu_requant", lambda *a: requants.append(1) or compiled_rq(*a))
-    x = rng.integers(0, 256, (1, 7, 5, 24), dtype=np.uint8)
-    w = rng.integers(-128, 128, (16, 1, 1, 24), dtype=np.int8)
+    for c, o, k, st, pads, dil, bias_max in (
+            (24, 16, 1, (1, 1), (0, 0, 0, 0), (1, 1), 50_000), (300, 12, 1, (1, 1), (0, 0, 0, 0), (1, 1), 50_000),
+            (24, 16, 1, (1, 1), (0, 0, 0, 0), (1, 1), 2 ** 26), (24, 16, 1, (2, 2), (0, 0, 0, 0), (1, 1), 50_000),
+            (3, 8, 3, (2, 2), (1, 1, 1, 1), (1, 1), 50_000), (40, 6, 3, (1, 2), (2, 0, 1, 2), (2, 1), 50_000)):
+        x = rng.integers(0, 256, (2, 6, 7, c), dtype=np.uint8)
+        w = rng.integers(-128, 128, (o, k, k, c), dtype=np.int8)
+        bias = rng.integers(-bias_max, bias_max, o).astype(np.int32)
+        kw = dict(x_zp=17, out_zp=131, strides=st, pads=pads, dilations=dil, scale_c=g.gpu_requant_scales(
+            F32(0.02), F32(rng.uniform(1e-3, 1e-2, o)).astype(F32), F32(0.05 if bias_max < 2 ** 20 else 400.0)))
+        _compiled_numpy_and_reference_agree(monkeypatch, g.gpu_conv2d, g.gpu_conv2d_ref, x, w, bias, kw)
+    assert pointwise == [False, True, True, False, False, True]  # 3x3x40 = 360 terms: float64
+    for k in (100, 700):  # FullyConnected: the same compiled 1x1 conv
+        x = rng.integers(0, 256, (3, k), dtype=np.uint8)
+        w = rng.integers(-127, 128, (9, k), dtype=np.int8)
+        bias = rng.integers(-2 ** 20, 2 ** 20, 9).astype(np.int32)
+        kw = dict(x_zp=40, out_zp=120, scale_c=g.gpu_requant_scales(F32(0.02), F32(rng.uniform(1e-4, 1e-3, 9))
+                                                                    .astype(F32), F32(0.5)))
+        _compiled_numpy_and_reference_agree(monkeypatch, g.gpu_fully_connected, g.gpu_fully_connected_ref, x, w,
+                                            bias, kw)
+    assert pointwise[-2:] == [False, True]
+    # a depthwise conv with multiplier 2 (numpy float32 sums) takes the compiled requantization alone
+    x = rng.integers(0, 256, (1, 5, 6, 8), dtype=np.uint8)
+    w = rng.integers(-128, 128, (3, 3, 8, 2), dtype=np.int8)
     bias = rng.integers(-50_000, 50_000, 16).astype(np.int32)
-    kw = dict(x_zp=17, out_zp=131, scale_c=g.gpu_requant_scales(F32(0.02), F32(rng.uniform(1e-3, 1e-2, 16))
-                                                                .astype(F32), F32(0.05)))
-    got = g.gpu_conv2d(x, w, bias, **kw)
-    with monkeypatch.context() as m:
-        m.setattr(jit, "available", lambda: False)
-        assert np.array_equal(got, g.gpu_conv2d(x, w, bias, **kw))
-    assert _mismatch(g.gpu_conv2d_ref(x, w, bias, **kw), got) == 0 and requants == [1]
+    kw = dict(x_zp=3, out_zp=100, pads=(1, 1, 1, 1), scale_c=g.gpu_requant_scales(
+        F32(0.02), F32(rng.uniform(1e-3, 1e-2, 16)).astype(F32), F32(0.05)))
+    got = g.gpu_depthwise_conv2d(x, w, bias, **kw)
+    assert _mismatch(g.gpu_depthwise_conv2d_ref(x, w, bias, **kw), got) == 0 and requants == [1]
+    # the float64 path's roundings on crafted points (x = x_zp: the sums are 0, the codes requant(bias)), over
+    # 300 channels: one float32 rounding of the int32, then the multiply's and the add's, no FMA
+    x = np.full((1, 1, 1, 300), 9, dtype=np.uint8)
+    w = rng.integers(-128, 128, (acc.size, 1, 1, 300), dtype=np.int8)
+    got = g.gpu_conv2d(x, w, acc.astype(np.int32), x_zp=9, out_zp=zp, scale_c=s)
+    assert [g.gpu_requantize_acc_ref(int(a), sc, zp) for a, sc in zip(acc, s)] == got.reshape(-1).tolist()
+    assert pointwise[-1] is True and np.all((got > 30) & (got < 55))
 
 
 def test_conv_wraps_int32_like_the_kernel(be):

@@ -40,12 +40,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from maceq.errors import MaceqError
 from maceq.runtime.fixedpoint import wrap_int32
 from maceq.runtime.kernels import jit
 from maceq.runtime.kernels.concat import _qpair
 from maceq.runtime.kernels.conv import conv_output_size
+from maceq.runtime.kernels.derived import derived
 from maceq.runtime.kernels.resize import resize_scale
 
 __all__ = [
@@ -319,8 +321,12 @@ F32_EXACT_TERMS = 256
 def _centred(a: ConvArgs) -> np.ndarray:
     """The float32 input ``x - x_zp`` (exact: |x - x_zp| <= 255), zero-padded by the conv's pads."""
     t, l, b, r = a.pads
-    xp = a.x.astype(_F32) - _F32(a.x_zp)
-    return np.pad(xp, ((0, 0), (t, b), (l, r), (0, 0))) if any(a.pads) else xp
+    n, h, w, c = a.x.shape
+    if not any(a.pads):
+        return np.subtract(a.x, _F32(a.x_zp), dtype=_F32)
+    xp = np.zeros((n, h + t + b, w + l + r, c), _F32)
+    np.subtract(a.x, _F32(a.x_zp), out=xp[:, t:t + h, l:l + w], dtype=_F32)
+    return xp
 
 
 def _taps(a: ConvArgs):
@@ -379,7 +385,16 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
     """
     a = conv_args("gpu_conv2d", x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c, strides=strides,
                   pads=pads, dilations=dilations, depthwise=False)
-    wf = a.w.astype(_F32)
+    k = a.kh * a.kw * a.c
+    path = sum_path(k, a.bias, _F32 if k <= F32_EXACT_TERMS else np.float64)
+    if path != "wrap" and jit.gemm_available():
+        # the sums below (in any order: exact integers) and _requantize_sums' steps per block of rows, compiled;
+        # other than 1x1 convs, on the im2col rows of x (tests/test_gpu_opencl.py)
+        wt = derived(a.w, "gpu_wt", lambda v: np.ascontiguousarray(v.reshape(v.shape[0], -1).T, dtype=_F32))
+        out = jit.gpu_pointwise(_im2col_rows(a), a.x_zp, wt, a.bias, a.scale, a.out_zp, chunk=F32_EXACT_TERMS,
+                                wide=path == "float64")
+        return out.reshape(a.x.shape[0], a.oh, a.ow, a.o)
+    wf = derived(a.w, "gpu_f32", lambda v: v.astype(_F32))
     if a.kh * a.kw == 1 and a.c <= F32_EXACT_TERMS:  # one float32 GEMM, exact as it stands
         view = next(_taps(a))[2]
         acc = view.reshape(-1, a.c) @ wf[:, 0, 0, :].T
@@ -392,6 +407,21 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
                 acc += rows[:, k0:k1] @ wf[:, i, j, k0:k1].T
     out = _requantize_sums(acc, a, a.kh * a.kw * a.c)
     return out.reshape(a.x.shape[0], a.oh, a.ow, a.o)
+
+
+def _im2col_rows(a: ConvArgs) -> np.ndarray:
+    """uint8 [N*OH*OW, KH*KW*C]: each output position's taps in the filter's (KH, KW, C) order, ``x_zp`` where a
+    tap lies outside the image (it then adds (x_zp - x_zp) * w = 0, as the kernel's skipped tap does)."""
+    n, h, w, c = a.x.shape
+    if a.kh == a.kw == 1 and a.strides == (1, 1) and not any(a.pads):
+        return a.x.reshape(-1, c)
+    t, l, b, r = a.pads
+    xp = np.full((n, h + t + b, w + l + r, c), a.x_zp, np.uint8)
+    xp[:, t:t + h, l:l + w] = a.x
+    (sh, sw), (dh, dw) = a.strides, a.dilations
+    win = sliding_window_view(xp, ((a.kh - 1) * dh + 1, (a.kw - 1) * dw + 1), axis=(1, 2))
+    win = win[:, :(a.oh - 1) * sh + 1:sh, :(a.ow - 1) * sw + 1:sw, :, ::dh, ::dw]  # [N, OH, OW, C, KH, KW]
+    return np.ascontiguousarray(win.transpose(0, 1, 2, 4, 5, 3)).reshape(-1, a.kh * a.kw * c)
 
 
 def sum_path(terms: int, bias: np.ndarray, acc_dtype) -> str:
@@ -447,8 +477,8 @@ def gpu_depthwise_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, st
     exact32 = a.kh * a.kw <= F32_EXACT_TERMS  # the tap-by-tap float32 sum stays an exact integer
     if a.m == 1 and exact32 and jit.available() and sum_path(a.kh * a.kw, a.bias, _F32) == "float32":
         # the same float32 steps in one compiled pass (equal to the numpy path below: tests/test_gpu_opencl.py)
-        return jit.gpu_depthwise(_centred(a), a.w[:, :, :, 0].astype(_F32), a.bias.astype(_F32), a.scale,
-                                 a.out_zp, a.strides, a.dilations, (a.oh, a.ow))
+        return jit.gpu_depthwise(a.x, a.x_zp, derived(a.w, "gpu_dw_f32", lambda v: v[:, :, :, 0].astype(_F32)),
+                                 a.bias.astype(_F32), a.scale, a.out_zp, a.strides, a.dilations, a.pads, (a.oh, a.ow))
     acc = np.zeros((n, a.oh, a.ow, a.c) + ((a.m,) if a.m > 1 else ()), dtype=_F32 if exact32 else np.float64)
     wf = a.w.astype(acc.dtype)
     for i, j, view in _taps(a):
@@ -483,7 +513,11 @@ def gpu_fully_connected(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c) -> 
     :func:`gpu_conv2d`. The backend runs it through the ``conv2d_u8`` kernel.
     """
     x, w, b, s, x_zp, out_zp = _fc_check("gpu_fully_connected", x, w, bias, scale_c, x_zp, out_zp)
-    acc = (x.astype(np.float64) - x_zp) @ w.astype(np.float64).T
+    path = sum_path(w.shape[1], b, _F32 if w.shape[1] <= F32_EXACT_TERMS else np.float64)
+    if path != "wrap" and jit.gemm_available():  # as the 1x1 conv (gpu_conv2d, _requantize_sums)
+        wt = derived(w, "gpu_wt", lambda v: np.ascontiguousarray(v.reshape(v.shape[0], -1).T, dtype=_F32))
+        return jit.gpu_pointwise(x, x_zp, wt, b, s, out_zp, chunk=F32_EXACT_TERMS, wide=path == "float64")
+    acc = (x.astype(np.float64) - x_zp) @ derived(w, "gpu_f64", lambda v: v.astype(np.float64)).T
     return gpu_requantize_acc(_wrap_acc(acc, b), s, out_zp)
 
 

@@ -30,9 +30,10 @@ there), so the exactness arguments carry over unchanged:
   MACE's FindMinMax loop, and the Eltwise table look-ups, one pass each. Float32 operations
   are not contracted into FMAs without fast-math (tests/test_quantize_kernel.py has crafted
   points where an FMA would differ and requires 0 mismatches on this path).
-- ``gpu_depthwise`` / ``gpu_requant``: the gpu's depthwise convolution (multiplier 1) where every tap
-  sum is an exact float32 integer and the bias keeps it below 2^24 (runtime/kernels/gpu.py
-  ``sum_path``), with its requantization; and that requantization alone on a GEMM's sums. The numpy
+- ``gpu_depthwise`` / ``gpu_requant`` / ``gpu_pointwise``: the gpu's depthwise convolution (multiplier 1)
+  where every tap sum is an exact float32 integer and the bias keeps it below 2^24 (runtime/kernels/gpu.py
+  ``sum_path``), with its requantization; that requantization alone on a GEMM's sums; and the pointwise
+  convolution, GEMM and requantization per block of rows (float32 sums, or float32 chunks summed in float64). The numpy
   path's float32 steps per element (tests/test_gpu_opencl.py compares them with the numpy path, the
   scalar reference and crafted points where an FMA would differ).
 - ``d32_requant`` / ``hvx_quantize`` / ``dsp_dw_sums`` / ``dsp_junk_sums``: nnlib's d32 requantization, HVX
@@ -67,7 +68,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
 
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
            "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise", "gpu_requant",
-           "hvx_quantize", "dsp_dw_sums", "dsp_junk_sums", "dsp_pointwise_sums"]
+           "hvx_quantize", "dsp_dw_sums", "dsp_junk_sums", "dsp_pointwise_sums", "gpu_pointwise"]
 
 
 def available() -> bool:
@@ -292,25 +293,33 @@ if njit is not None:
                     out[i] = np.int32(min(max(d, 0.0), 255.0))
 
     @_pjit
-    def _gpu_depthwise(xp, w, bias, scale, zp, sh, sw, dh, dw, out):
+    def _gpu_depthwise(x, x_zp, w, bias, scale, zp, sh, sw, dh, dw, top, left, out):
         """The gpu's depthwise convolution (multiplier 1) and requantization for one output row per task:
-        acc = sum over taps of xp * w in float32 (exact: integers below 2^24, runtime/kernels/gpu.py), then
+        acc = sum over the taps inside the uint8 input x of (x - x_zp) * w in float32 (exact: integers below 2^24,
+        runtime/kernels/gpu.py; a tap outside adds 0, as the kernel's skipped tap), then
         sat_rte(f32(f32(acc + bias) * scale) + zp), every step one float32 rounding, NaN -> 0."""
         n, oh, ow, c = out.shape
+        h, wd = x.shape[1], x.shape[2]
         kh, kw = w.shape[0], w.shape[1]
+        z = np.float32(x_zp)
         for r in prange(n * oh):
             b, y = r // oh, r % oh
             acc = np.empty(c, np.float32)
-            for x in range(ow):
+            for ox in range(ow):
                 acc[:] = np.float32(0)
                 for i in range(kh):
-                    row = xp[b, y * sh + i * dh]
+                    iy = y * sh + i * dh - top
+                    if iy < 0 or iy >= h:
+                        continue
+                    row = x[b, iy]
                     for j in range(kw):
-                        px = row[x * sw + j * dw]
-                        wt = w[i, j]
+                        ix = ox * sw + j * dw - left
+                        if ix < 0 or ix >= wd:
+                            continue
+                        px, wt = row[ix], w[i, j]
                         for k in range(c):
-                            acc[k] += px[k] * wt[k]
-                dst = out[b, y, x]
+                            acc[k] += (np.float32(px[k]) - z) * wt[k]
+                dst = out[b, y, ox]
                 for k in range(c):
                     dst[k] = _gpu_code(acc[k], bias[k], scale[k], zp)
 
@@ -327,6 +336,51 @@ if njit is not None:
         for r in prange(acc.shape[0]):
             for k in range(acc.shape[1]):
                 out[r, k] = _gpu_code(acc[r, k], bias[k], scale[k], zp)
+
+    @_jit
+    def _centred_chunk_gemm(x, z, r0, m, k0, kc, w, addr, bits64, g):
+        """g[:m] = (x[r0:r0+m, k0:k0+kc] - z) @ w[k0:k0+kc] in float32, by the CBLAS sgemm at addr."""
+        a = np.empty((m, kc), np.float32)
+        for r in range(m):
+            ar, xr = a[r], x[r0 + r, k0:k0 + kc]
+            for j in range(kc):
+                ar[j] = np.float32(xr[j]) - z
+        _gemm(addr, bits64, m, w.shape[1], kc, a, w[k0:k0 + kc], g)
+
+    @_pjit
+    def _gpu_pointwise(x, x_zp, wt, bias32, bias64, scale, zp, addr, bits64, block, chunk, wide, out):
+        """The gpu's pointwise convolution of uint8 x [rows, C] with the float32 filter wt [C, O] (|w| <= 128),
+        requantized into out [rows, O]: per block of rows, the centred rows (x - x_zp, exact) and their GEMM by
+        the CBLAS sgemm at addr in chunks of at most ``chunk`` channels (every partial sum an integer below
+        2^23). Not ``wide`` (one chunk, sums and bias below 2^24): the float32 codes of ``_gpu_code``. ``wide``:
+        the chunks summed in float64 (exact integers), plus the bias (below 2^31: no wrap), rounded once to
+        float32 as float_rte rounds the int32, then the same float32 steps."""
+        rows, c = x.shape
+        o = wt.shape[1]
+        z = np.float32(x_zp)
+        zero = np.float32(0)
+        for b in prange((rows + block - 1) // block):
+            r0 = b * block
+            m = min(block, rows - r0)
+            g = np.empty((m, o), np.float32)
+            acc = np.zeros((m, o) if wide else (1, 1), np.float64)
+            for k0 in range(0, c, chunk):
+                _centred_chunk_gemm(x, z, r0, m, k0, min(chunk, c - k0), wt, addr, bits64, g)
+                if wide:
+                    for r in range(m):
+                        ar64, gr = acc[r], g[r]
+                        for j in range(o):
+                            ar64[j] += np.float64(gr[j])
+            for r in range(m):
+                dst = out[r0 + r]
+                if wide:
+                    ar64 = acc[r]
+                    for j in range(o):
+                        dst[j] = _gpu_code(np.float32(ar64[j] + bias64[j]), zero, scale[j], zp)
+                else:
+                    gr = g[r]
+                    for j in range(o):
+                        dst[j] = _gpu_code(gr[j], bias32[j], scale[j], zp)
 
     @_pjit
     def _hvx_quantize(bits, common_exp, min_offset, scale16, out):
@@ -412,13 +466,7 @@ if njit is not None:
             g = np.empty((m, o), np.float32)
             dst = out[r0:r0 + m]
             for k0 in range(0, c, chunk):
-                kc = min(chunk, c - k0)
-                a = np.empty((m, kc), np.float32)
-                for r in range(m):
-                    ar, xr = a[r], x[r0 + r, k0:k0 + kc]
-                    for j in range(kc):
-                        ar[j] = np.float32(xr[j]) - z
-                _gemm(addr, bits64, m, o, kc, a, wz[k0:k0 + kc], g)
+                _centred_chunk_gemm(x, z, r0, m, k0, min(chunk, c - k0), wz, addr, bits64, g)
                 for r in range(m):
                     gr, d = g[r], dst[r]
                     if k0 == 0:
@@ -453,13 +501,15 @@ def lut_pairs(a: np.ndarray, b: np.ndarray, body: int, body_table: np.ndarray, t
     return out
 
 
-def gpu_depthwise(xp: np.ndarray, w: np.ndarray, bias: np.ndarray, scale: np.ndarray, zp, strides, dilations,
-                  out_hw) -> np.ndarray:
-    """The gpu depthwise convolution's codes from the centred, padded float32 input ``xp`` [N, HP, WP, C], float32
-    taps ``w`` [KH, KW, C] and float32 ``bias`` and ``scale`` [C] (runtime/kernels/gpu.py decides when it applies)."""
-    out = np.empty((xp.shape[0], out_hw[0], out_hw[1], xp.shape[3]), np.uint8)
-    _gpu_depthwise(np.ascontiguousarray(xp), np.ascontiguousarray(w), bias, scale, np.float32(zp), int(strides[0]),
-                   int(strides[1]), int(dilations[0]), int(dilations[1]), out)
+def gpu_depthwise(x: np.ndarray, x_zp: int, w: np.ndarray, bias: np.ndarray, scale: np.ndarray, zp, strides,
+                  dilations, pads, out_hw) -> np.ndarray:
+    """The gpu depthwise convolution's codes from the uint8 input ``x`` [N, H, W, C] (zero point ``x_zp``, pads
+    (top, left, ...)), float32 taps ``w`` [KH, KW, C] and float32 ``bias`` and ``scale`` [C]
+    (runtime/kernels/gpu.py decides when it applies)."""
+    out = np.empty((x.shape[0], out_hw[0], out_hw[1], x.shape[3]), np.uint8)
+    _gpu_depthwise(np.ascontiguousarray(x), int(x_zp), np.ascontiguousarray(w), bias, scale, np.float32(zp),
+                   int(strides[0]), int(strides[1]), int(dilations[0]), int(dilations[1]), int(pads[0]), int(pads[1]),
+                   out)
     return out
 
 
@@ -470,6 +520,23 @@ def gpu_requant(acc: np.ndarray, bias: np.ndarray, scale: np.ndarray, zp) -> np.
     out = np.empty(flat.shape, np.uint8)
     _gpu_requant_rows(flat, bias, scale, np.float32(zp), out)
     return out.reshape(acc.shape)
+
+
+def gpu_pointwise(x: np.ndarray, x_zp: int, wt: np.ndarray, bias: np.ndarray, scale: np.ndarray, zp, *,
+                  chunk: int, wide: bool) -> np.ndarray:
+    """The gpu pointwise convolution's codes [rows, O] of uint8 ``x`` [rows, C] with the float32 filter ``wt``
+    [C, O] (C-contiguous), int32 ``bias`` and float32 ``scale`` [O]; ``wide``: the float64 sum path, else one
+    float32 GEMM of at most ``chunk`` channels whose sums with the bias stay below 2^24 (runtime/kernels/gpu.py
+    ``sum_path`` decides)."""
+    gm = blas.gemm()
+    rows, c = x.shape
+    o = wt.shape[1]
+    out = np.empty((rows, o), np.uint8)
+    with threads.blas_held():
+        _gpu_pointwise(np.ascontiguousarray(x), int(x_zp), wt, bias.astype(np.float32), bias.astype(np.float64),
+                       scale, np.float32(zp), gm.sgemm, gm.int_bits == 64, _block_rows(rows, min(c, chunk), o, 4),
+                       int(chunk), bool(wide), out)
+    return out
 
 
 def hvx_quantize(xf: np.ndarray, common_exp: int, min_offset: int, scale16: int) -> np.ndarray:
