@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
+from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
 from maceq.errors import MaceqError
 from maceq.runtime.fixedpoint import (
@@ -54,6 +54,7 @@ from maceq.runtime.kernels import jit
 from maceq.runtime.kernels.cfloat import fmaf as _fmaf  # float32 FMA, shared with the float kernels
 
 __all__ = [
+    "im2col_rows",
     "FloatRequant",
     "conv_output_size",
     "mace_pads",
@@ -121,6 +122,23 @@ def conv_output_size(in_size: int, k: int, *, stride: int, dilation: int,
         raise MaceqError(
             f"conv: window {eff} larger than padded input {in_size + pad_before + pad_after}")
     return span // stride + 1
+
+
+def im2col_rows(x: np.ndarray, fill, *, kernel, strides, dilations, before, out_hw) -> np.ndarray:
+    """[N*OH*OW, KH*KW*C] rows of ``x`` [N, H, W, C] (its dtype): each output position's taps in the filter's
+    (KH, KW, C) order, ``fill`` where a tap lies outside x. ``before``: (top, left) padding (negative: cropped);
+    output position (oy, ox) reads x[oy*sh + i*dh - top, ox*sw + j*dw - left]."""
+    n, h, w, c = x.shape
+    (kh, kw), (sh, sw), (dh, dw), (top, left), (oh, ow) = kernel, strides, dilations, before, out_hw
+    span_h, span_w = (kh - 1) * dh + 1, (kw - 1) * dw + 1
+    need_h, need_w = (oh - 1) * sh + span_h, (ow - 1) * sw + span_w
+    xp = np.full((n, need_h, need_w, c), fill, x.dtype)
+    ys, ye = max(0, top), min(need_h, h + top)
+    xs, xe = max(0, left), min(need_w, w + left)
+    if ye > ys and xe > xs:
+        xp[:, ys:ye, xs:xe] = x[:, ys - top:ye - top, xs - left:xe - left]
+    win = sliding_window_view(xp, (span_h, span_w), axis=(1, 2))[:, ::sh, ::sw][:, :oh, :ow, :, ::dh, ::dw]
+    return np.ascontiguousarray(win.transpose(0, 1, 2, 4, 5, 3)).reshape(-1, kh * kw * c)
 
 
 def mace_pads(total_h: int, total_w: int) -> tuple[int, int, int, int]:

@@ -39,6 +39,7 @@ from maceq.errors import MaceqError
 from maceq.mace.enums import Padding as MacePadding
 from maceq.runtime.kernels import jit
 from maceq.runtime.kernels import nnlib_ref as r
+from maceq.runtime.kernels.conv import im2col_rows
 from maceq.runtime.kernels.derived import derived
 from maceq.runtime.kernels.nnlib_ref import INF, Padding
 
@@ -335,15 +336,22 @@ def _exact_sums(acc: np.ndarray, terms: int) -> np.ndarray:
 def _conv_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray:
     """int64 [N,OH,OW,O]: sum((x - in_off)*(w - w_off)) over in-bounds taps, wrapped to int32.
 
-    A pointwise conv is float32 GEMMs over chunks of at most F32_EXACT_TERMS channels, each exact, summed
-    exactly in float64; otherwise one float64 contraction, exact while sums stay below 2^53 (K < 2^37).
+    Float32 GEMMs over chunks of at most F32_EXACT_TERMS terms, each exact, summed exactly: compiled, on the
+    im2col rows of x past 1x1 (``in_offset`` at taps outside x adds 0); else numpy's for a pointwise conv, and
+    one float64 contraction otherwise, exact while sums stay below 2^53 (K < 2^37). Equal: tests/test_dsp_fills.py.
     """
     kh, kw, c, o = w.shape
-    if (kh, kw) == (1, 1) and tuple(before) == (0, 0) and tuple(out_hw) == x.shape[1:3] and tuple(strides) == (1, 1):
-        wz = derived(w, ("wz32", w_offset), lambda v: v.reshape(c, o).astype(np.float32) - np.float32(w_offset))
-        if jit.gemm_available():  # the same chunked float32 GEMMs, compiled (tests/test_dsp_fills.py)
-            sums = jit.dsp_pointwise_sums(x.reshape(-1, c), in_offset, wz, F32_EXACT_TERMS)
-            return (sums if c * PRODUCT_MAX < 2 ** 31 else _wrap32(sums)).reshape(*x.shape[:3], o)
+    pointwise = (kh, kw) == (1, 1) and tuple(before) == (0, 0) and tuple(out_hw) == x.shape[1:3] \
+        and tuple(strides) == (1, 1)
+    compiled = jit.gemm_available() and 0 <= in_offset <= 255
+    if pointwise or compiled:
+        wz = derived(w, ("wz32", w_offset), lambda v: v.reshape(-1, o).astype(np.float32) - np.float32(w_offset))
+    if compiled:
+        rows = x.reshape(-1, c) if pointwise else im2col_rows(x, in_offset, kernel=(kh, kw), strides=strides,
+                                                              dilations=(1, 1), before=before, out_hw=out_hw)
+        sums = jit.dsp_pointwise_sums(rows, in_offset, wz, F32_EXACT_TERMS)
+        return (sums if rows.shape[1] * PRODUCT_MAX < 2 ** 31 else _wrap32(sums)).reshape(x.shape[0], *out_hw, o)
+    if pointwise:
         rows = x.reshape(-1, c).astype(np.float32) - np.float32(in_offset)
         if c <= F32_EXACT_TERMS:
             acc = rows @ wz

@@ -40,13 +40,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from maceq.errors import MaceqError
 from maceq.runtime.fixedpoint import wrap_int32
 from maceq.runtime.kernels import jit
 from maceq.runtime.kernels.concat import _qpair
-from maceq.runtime.kernels.conv import conv_output_size
+from maceq.runtime.kernels.conv import conv_output_size, im2col_rows
 from maceq.runtime.kernels.derived import derived
 from maceq.runtime.kernels.resize import resize_scale
 
@@ -412,16 +411,10 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
 def _im2col_rows(a: ConvArgs) -> np.ndarray:
     """uint8 [N*OH*OW, KH*KW*C]: each output position's taps in the filter's (KH, KW, C) order, ``x_zp`` where a
     tap lies outside the image (it then adds (x_zp - x_zp) * w = 0, as the kernel's skipped tap does)."""
-    n, h, w, c = a.x.shape
     if a.kh == a.kw == 1 and a.strides == (1, 1) and not any(a.pads):
-        return a.x.reshape(-1, c)
-    t, l, b, r = a.pads
-    xp = np.full((n, h + t + b, w + l + r, c), a.x_zp, np.uint8)
-    xp[:, t:t + h, l:l + w] = a.x
-    (sh, sw), (dh, dw) = a.strides, a.dilations
-    win = sliding_window_view(xp, ((a.kh - 1) * dh + 1, (a.kw - 1) * dw + 1), axis=(1, 2))
-    win = win[:, :(a.oh - 1) * sh + 1:sh, :(a.ow - 1) * sw + 1:sw, :, ::dh, ::dw]  # [N, OH, OW, C, KH, KW]
-    return np.ascontiguousarray(win.transpose(0, 1, 2, 4, 5, 3)).reshape(-1, a.kh * a.kw * c)
+        return a.x.reshape(-1, a.c)
+    return im2col_rows(a.x, a.x_zp, kernel=(a.kh, a.kw), strides=a.strides, dilations=a.dilations,
+                       before=a.pads[:2], out_hw=(a.oh, a.ow))
 
 
 def sum_path(terms: int, bias: np.ndarray, acc_dtype) -> str:
