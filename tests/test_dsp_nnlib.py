@@ -397,8 +397,13 @@ def test_superfc_hvx_fast_equals_scalar():
                     bias_max=0)
 
 
-def test_add_sub_fast_equals_scalar_on_all_pairs():
-    rng = np.random.default_rng(15)
+def test_add_sub_fast_equals_scalar_on_all_pairs(loops, monkeypatch):
+    # the compiled path looks the 65,536 pairs up in tables of every pair, the numpy path runs the steps on them
+    from maceq.runtime.kernels import jit
+
+    looked_up = []
+    real = jit.lut_pairs_range
+    monkeypatch.setattr(jit, "lut_pairs_range", lambda *x: looked_up.append(1) or real(*x))
     a, b = (g.astype(np.uint8).reshape(1, 256, 256, 1) for g in np.meshgrid(np.arange(256), np.arange(256),
                                                                              indexing="ij"))
     configs = [  # (a range, b range, out range, subtract)
@@ -414,6 +419,7 @@ def test_add_sub_fast_equals_scalar_on_all_pairs():
         fast = dsp.quantized_sub(a, b, **kw) if sub else dsp.quantized_add(a, b, **kw)
         tally.add(r.quantized_addsub_ref(a, b, subtract=sub, **kw), fast)
     assert tally.counts() == (0, 0)
+    assert (len(looked_up) >= len(configs)) == (loops == "compiled") and (loops == "compiled" or not looked_up)
     za, sa = r.get_qu8_level_size_zero(-1.0, 1.0)
     zb, sb = r.get_qu8_level_size_zero(-0.5, 0.5)
     assert r.set_addsub_scaling(*r.adjust_minmax_for_zero_with_constraints(-0.01, 0.02, 3)[:2], (za, zb), (sa, sb),

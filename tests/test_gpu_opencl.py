@@ -410,6 +410,34 @@ def test_eltwise_add_sub_all_pairs(be):
     assert got.tolist() == [100, 102]
 
 
+def test_eltwise_table_path_equals_the_float_steps(monkeypatch):
+    # from 4,096 elements the compiled path looks each pair up in a table of the kernel's float32 steps on every
+    # pair: the same codes as those steps on the elements (all pairs, ties, both signs, broadcast)
+    from maceq.runtime.kernels import jit
+
+    if not jit.available():
+        pytest.skip("numba not available: the numpy path is the only one")
+    rng = np.random.default_rng(41)
+    a, b = _all_pairs()
+    a, b = (np.concatenate([v.reshape(-1), rng.integers(0, 256, 70_001, dtype=np.uint8)]) for v in (a, b))
+    looked_up = []
+    real = jit.lut_pairs
+    monkeypatch.setattr(jit, "lut_pairs", lambda *x: looked_up.append(1) or real(*x))
+    for cfg in (dict(a_scale=0.5, a_zp=128, b_scale=0.25, b_zp=3, out_scale=1.0, out_zp=100),
+                dict(a_scale=F32(0.0173), a_zp=31, b_scale=F32(0.411), b_zp=200, out_scale=F32(0.093), out_zp=7)):
+        for sub in (False, True):
+            got = g.gpu_eltwise_add(a, b, **cfg, subtract=sub)
+            with monkeypatch.context() as m:
+                m.setattr(jit, "available", lambda: False)
+                assert np.array_equal(got, g.gpu_eltwise_add(a, b, **cfg, subtract=sub))
+    xa = rng.integers(0, 256, (2, 60, 70, 8), dtype=np.uint8)
+    xb = rng.integers(0, 256, (1, 1, 1, 8), dtype=np.uint8)
+    got = g.gpu_eltwise_add(xa, xb, a_scale=0.02, a_zp=9, b_scale=0.03, b_zp=250, out_scale=0.04, out_zp=128)
+    ref = g._eltwise_codes(*np.broadcast_arrays(xa, xb), F32(0.02), 9, F32(0.03), 250, g.gpu_inverse_scale(0.04),
+                           128, False)
+    assert np.array_equal(got, ref) and looked_up == [1] * 5
+
+
 def test_concat_requantizes_only_differing_inputs(be):
     rng = np.random.default_rng(50)
     mism = 0

@@ -20,16 +20,25 @@ _CACHE: dict = {}  # id(array) -> (weak reference to it, {key: read-only array d
 def derived(src: np.ndarray, key: Hashable, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """``make(src)`` computed once per live array ``src`` and ``key``, kept until ``src`` is freed; read-only.
 
-    ``make`` must return a new array (not a view of ``src``: that would keep ``src`` alive for ever)."""
-    i = id(src)
+    A view counts as its base array seen through the view's shape, strides, offset and type (a kernel that
+    reshapes a model's constant on every run still finds its conversion). ``make`` must return a new array (not
+    a view of ``src``: that would keep ``src`` alive for ever)."""
+    root = src
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if root is not src:
+        offset = src.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+        key = (key, src.shape, src.strides, offset, src.dtype.str)
+    i = id(root)
     entry = _CACHE.get(i)
-    if entry is None or entry[0]() is not src:
+    if entry is None or entry[0]() is not root:
         # the default arguments keep the callback working while the interpreter shuts down
-        entry = _CACHE[i] = (weakref.ref(src, lambda _ref, i=i, pop=_CACHE.pop: pop(i, None)), {})
+        entry = _CACHE[i] = (weakref.ref(root, lambda _ref, i=i, pop=_CACHE.pop: pop(i, None)), {})
     hit = entry[1].get(key)
     if hit is None:
-        hit = entry[1][key] = make(src)
-        if hit.base is not None and np.shares_memory(hit, src):
+        hit = make(src)
+        if np.shares_memory(hit, root):
             raise ValueError("derived: make() returned a view of its source")
         hit.flags.writeable = False
+        entry[1][key] = hit
     return hit

@@ -690,12 +690,41 @@ def _superfc_ref(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, 
 # QuantizedAdd / QuantizedSub
 # ----------------------------------------------------------------------------------------------
 
+#: From this many elements an add looks its pairs up in tables of every pair (built once per scaling).
+_LUT_MIN = 1 << 12
+
+
 def _addsub_core(a: np.ndarray, b: np.ndarray, sp: r.AddSubScaling):
-    """The HVX add datapath on int64 arrays -> (u8, min step-2 value, max step-2 value)."""
+    """The HVX add datapath on uint8 arrays of one shape -> (u8, min step-2 value, max step-2 value). Its output
+    and step-2 value are functions of the pair (a, b): past _LUT_MIN elements, one compiled pass of look-ups in
+    their tables (equal to the steps on the elements: tests/test_dsp_nnlib.py)."""
+    if jit.available() and a.size >= _LUT_MIN:
+        codes, steps = _addsub_tables(sp)
+        y, lo, hi = jit.lut_pairs_range(a, b, codes, steps)
+    else:
+        y, v = _addsub_steps(a.astype(np.int64), b.astype(np.int64), sp)
+        lo, hi = (int(v.min()), int(v.max())) if v is not None and v.size else (sp.intermed_zero, sp.intermed_zero)
+    if sp.underrange:
+        return y, sp.intermed_zero, sp.intermed_zero
+    return y, min(sp.intermed_zero, lo), max(sp.intermed_zero, hi)
+
+
+@functools.lru_cache(maxsize=256)
+def _addsub_tables(sp: r.AddSubScaling) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 outputs, int32 step-2 values, 0 where underrange) of every pair, at index a*256 + b; read-only."""
+    grid = np.arange(256, dtype=np.int64)
+    y, v = _addsub_steps(np.repeat(grid, 256), np.tile(grid, 256), sp)
+    v = np.zeros(y.size, np.int32) if v is None else v.astype(np.int32)  # |v| < 2^17
+    y.flags.writeable = v.flags.writeable = False
+    return y, v
+
+
+def _addsub_steps(a: np.ndarray, b: np.ndarray, sp: r.AddSubScaling):
+    """The HVX add datapath on int64 arrays -> (u8, the step-2 values v; None when underrange)."""
     if sp.underrange:
         t = np.clip(a * sp.a_scale + b * sp.b_scale, r.INT32_MIN, r.INT32_MAX) >> (8 + sp.final_rsh - 1)
         p = np.clip(np.clip(t + sp.offset, r.INT32_MIN, r.INT32_MAX), -32768, 32767)
-        return np.clip((p + 1) >> 1, 0, 255).astype(np.uint8), sp.intermed_zero, sp.intermed_zero
+        return np.clip((p + 1) >> 1, 0, 255).astype(np.uint8), None
     lo_a, lo_b = sp.a_scale & 0x7F, sp.b_scale & 0x7F
     hi_a, hi_b = r.s8(sp.a_scale >> 7), r.s8(((sp.b_scale << 1) & 0xFF00) >> 8)
     hisop = ((a * hi_a + b * hi_b + 0x8000) & 0xFFFF) - 0x8000
@@ -704,9 +733,7 @@ def _addsub_core(a: np.ndarray, b: np.ndarray, sp: r.AddSubScaling):
     p = np.clip(v + r.wrap16(sp.offset), -32768, 32767)
     rsh = sp.final_rsh
     rnd = (1 << (rsh - 1)) if rsh > 0 else 0
-    lo = min(sp.intermed_zero, int(v.min())) if v.size else sp.intermed_zero
-    hi = max(sp.intermed_zero, int(v.max())) if v.size else sp.intermed_zero
-    return np.clip((p + rnd) >> rsh, 0, 255).astype(np.uint8), lo, hi
+    return np.clip((p + rnd) >> rsh, 0, 255).astype(np.uint8), v
 
 
 def _addsub(a, b, *, a_min, a_max, b_min, b_max, out_min, out_max, subtract: bool):
@@ -717,8 +744,7 @@ def _addsub(a, b, *, a_min, a_max, b_min, b_max, out_min, out_max, subtract: boo
     kw = dict(a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max, out_min=out_min, out_max=out_max,
               subtract=subtract)
     if a.shape == b.shape and not subtract:  # the flat add (the sub always runs as the d32 op)
-        ai, bi = a.astype(np.int64), b.astype(np.int64)
-        return r.addsub_execute(core=lambda sp, track: _addsub_core(ai, bi, sp), **kw)
+        return r.addsub_execute(core=lambda sp, track: _addsub_core(a, b, sp), **kw)
     _, swap, all_ones = r.addsub_broadcast_plan(a.shape, b.shape)
     shape = np.broadcast_shapes(a.shape, b.shape)
     if all_ones and r.f32(out_min) == -INF and r.f32(out_max) == INF:
@@ -726,7 +752,7 @@ def _addsub(a, b, *, a_min, a_max, b_min, b_max, out_min, out_max, subtract: boo
         oper = ("sub_rev" if swap else "sub") if subtract else "add"
         scale, offs, mn, mx = r.addsub_1111_scaling(rngs[0], rngs[1], int((a if swap else b).ravel()[0]), oper)
         return _scaled_copy(big.reshape(shape), scale, offs), mn, mx
-    ai, bi = (np.broadcast_to(t, shape).astype(np.int64) for t in (a, b))
+    ai, bi = (np.ascontiguousarray(np.broadcast_to(t, shape)) for t in (a, b))
     return r.addsub_execute(core=lambda sp, track: _addsub_core(ai, bi, sp), d32=True, **kw)
 
 

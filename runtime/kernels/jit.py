@@ -26,8 +26,9 @@ there), so the exactness arguments carry over unchanged:
   magnitude <= X*L1, exact in any order, argument 3), from a per-block buffer of centered,
   zero-padded input rows; then the requantization per output row. Blocks of output rows run
   on numba's threads.
-- ``quantize_neon`` / ``find_range`` / ``lut_pairs``: the input Quantize's float32 steps and
-  MACE's FindMinMax loop, and the Eltwise table look-ups, one pass each. Float32 operations
+- ``quantize_neon`` / ``find_range`` / ``lut_pairs`` / ``lut_pairs_range``: the input Quantize's float32
+  steps and MACE's FindMinMax loop, and the Eltwise table look-ups (the gpu's and nnlib's adds too, the
+  latter with the min and max of a second table), one pass each. Float32 operations
   are not contracted into FMAs without fast-math (tests/test_quantize_kernel.py has crafted
   points where an FMA would differ and requires 0 mismatches on this path).
 - ``gpu_depthwise`` / ``gpu_requant`` / ``gpu_pointwise``: the gpu's depthwise convolution (multiplier 1)
@@ -68,7 +69,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
 
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
            "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise", "gpu_requant",
-           "hvx_quantize", "dsp_dw_sums", "dsp_junk_sums", "dsp_pointwise_sums", "gpu_pointwise"]
+           "hvx_quantize", "dsp_dw_sums", "dsp_junk_sums", "dsp_pointwise_sums", "gpu_pointwise", "lut_pairs_range"]
 
 
 def available() -> bool:
@@ -257,6 +258,20 @@ if njit is not None:
             for i in range(k * _CHUNK, min(n, (k + 1) * _CHUNK)):
                 j = np.int64(a[i]) * 256 + np.int64(b[i])
                 out[i] = body_table[j] if i < body else tail_table[j]
+
+    @_pjit
+    def _lut_pairs_range(a, b, table, vtable, out, vmin, vmax):
+        """out[i] = table[a[i]*256 + b[i]]; vmin[k], vmax[k]: min and max of vtable at the pairs of chunk k."""
+        n = a.shape[0]
+        for k in prange((n + _CHUNK - 1) // _CHUNK):
+            lo, hi = vmin[k], vmax[k]
+            for i in range(k * _CHUNK, min(n, (k + 1) * _CHUNK)):
+                j = np.int64(a[i]) * 256 + np.int64(b[i])
+                out[i] = table[j]
+                v = vtable[j]
+                lo = min(lo, v)
+                hi = max(hi, v)
+            vmin[k], vmax[k] = lo, hi
 
     @_jit
     def _find_range(v):
@@ -590,6 +605,18 @@ def dsp_junk_sums(xflat: np.ndarray, p: np.ndarray, ok: np.ndarray, wz: np.ndarr
     s1, s0 = np.empty((m, c), np.int64), np.empty((m, c), np.int64)
     _dsp_junk_sums(xflat, p, ok, np.ascontiguousarray(wz), s1, s0)
     return s1, s0
+
+
+def lut_pairs_range(a: np.ndarray, b: np.ndarray, table: np.ndarray, vtable: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """(codes, min, max): the codes of the uint8 pairs (a, b) (same shape, non-empty) from the 65536-entry
+    ``table`` and the min and max of the int32 ``vtable`` over the same pairs (runtime/kernels/dsp.py)."""
+    fa, fb = np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1)
+    chunks = (fa.shape[0] + _CHUNK - 1) // _CHUNK
+    vmin = np.full(chunks, np.iinfo(np.int32).max, np.int32)
+    vmax = np.full(chunks, np.iinfo(np.int32).min, np.int32)
+    out = np.empty(fa.shape[0], np.uint8)
+    _lut_pairs_range(fa, fb, table, vtable, out, vmin, vmax)
+    return out.reshape(np.shape(a)), int(vmin.min()), int(vmax.max())
 
 
 def find_range(v: np.ndarray) -> tuple[float, float]:
