@@ -27,6 +27,14 @@ from maceq.runtime.kernels import blas, jit
 from maceq.runtime.model import load
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_loops():
+    """This module tests the compiled loops' threads: they run here even where the session sets MACEQ_NO_JIT."""
+    with pytest.MonkeyPatch.context() as m:
+        m.delenv("MACEQ_NO_JIT", raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
 def mnv2(shared_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("mnv2")
