@@ -36,6 +36,10 @@ def test_fill_bias_buf_equals_the_scalar_reference(seed):
             assert "bias word out of int32 range" in str(e)
             continue
         np.testing.assert_array_equal(dsp.fill_bias_buf(bias, bmin, bmax, sc, out_min, gemsumb), want)
+        # the nodes' cached form: the same words, once per value of the arguments
+        cached = dsp._fill_bias_buf_cached(bias, bmin, bmax, sc, out_min, gemsumb)
+        np.testing.assert_array_equal(cached, want)
+        assert dsp._fill_bias_buf_cached(bias.copy(), bmin, bmax, sc, out_min, list(gemsumb)) is cached
         want_fc = r.superfc_fill_bias_buf(bias, bmin, bmax, sc, out_min, gemsumb)
         np.testing.assert_array_equal(dsp.superfc_fill_bias_buf(bias, bmin, bmax, sc, out_min, gemsumb), want_fc)
 

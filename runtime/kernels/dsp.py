@@ -122,6 +122,19 @@ def fill_bias_buf(bias, bias_min, bias_max, sc: "r.D32Scaling", out_min: float, 
     return final.astype(np.int64)
 
 
+def _fill_bias_buf_cached(bias, bias_min, bias_max, sc: "r.D32Scaling", out_min: float, gemsumb) -> np.ndarray:
+    """:func:`fill_bias_buf`, kept per value of its arguments (a node brings the same ones on every run; read-only)."""
+    return _fill_bias_buf_of(np.asarray(bias, dtype=np.int64).tobytes(), bias_min, bias_max, sc, out_min,
+                             np.asarray(gemsumb, dtype=np.int64).tobytes())
+
+
+@functools.lru_cache(maxsize=256)
+def _fill_bias_buf_of(bias: bytes, bias_min, bias_max, sc: "r.D32Scaling", out_min: float, gemsumb: bytes):
+    out = fill_bias_buf(np.frombuffer(bias, np.int64), bias_min, bias_max, sc, out_min, np.frombuffer(gemsumb, np.int64))
+    out.flags.writeable = False
+    return out
+
+
 def superfc_fill_bias_buf(bias, bias_min, bias_max, sc: "r.D32Scaling", out_min: float, gemsumb) -> np.ndarray:
     """``nnlib_ref.superfc_fill_bias_buf``, vectorised: ``gemsumb*in_offset + fast_roundf(minout)`` in int32."""
     g = np.asarray(gemsumb, dtype=np.int64)
@@ -583,7 +596,7 @@ def _supernode_d32(x, w, bias, node, strides, before, out_hw, **kw):
     return r.d32_execute(
         node=node, out_min=kw["out_min"], out_max=kw["out_max"], x_min=kw["x_min"], x_max=kw["x_max"],
         weights_level=filt_level, bias=bias, bias_min=kw["bias_min"], bias_max=kw["bias_max"], gemsumb=gemsumb,
-        fill=fill_bias_buf,
+        fill=_fill_bias_buf_cached,
         kernel=_d32_kernel(o, gemsumb, lambda io: _conv_sums(x, w, io, filt_offset, strides, before, out_hw), junk))
 
 
@@ -623,7 +636,7 @@ def depthwise_supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bia
     filt_offset = r.quantize_uint8(0.0, r.f32(w_min), r.f32(w_max))
     gemsumb = dwise_gemsumb(w, filt_offset)
     return r.d32_execute(node=r.DEPTHWISE_D32, out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max,
-                         fill=fill_bias_buf,
+                         fill=_fill_bias_buf_cached,
                          weights_level=r.fdiv(r.fsub(r.f32(w_max), r.f32(w_min)), r.fmul(255.0, 1.0)),
                          bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=gemsumb,
                          kernel=_d32_kernel(
