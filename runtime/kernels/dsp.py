@@ -130,7 +130,8 @@ def _fill_bias_buf_cached(bias, bias_min, bias_max, sc: "r.D32Scaling", out_min:
 
 @functools.lru_cache(maxsize=256)
 def _fill_bias_buf_of(bias: bytes, bias_min, bias_max, sc: "r.D32Scaling", out_min: float, gemsumb: bytes):
-    out = fill_bias_buf(np.frombuffer(bias, np.int64), bias_min, bias_max, sc, out_min, np.frombuffer(gemsumb, np.int64))
+    out = fill_bias_buf(np.frombuffer(bias, np.int64), bias_min, bias_max, sc, out_min,
+                        np.frombuffer(gemsumb, np.int64))
     out.flags.writeable = False
     return out
 
