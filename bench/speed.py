@@ -10,7 +10,7 @@ Targets: the cpu simulation within 1.5x of onnxruntime's float time at batch 1 a
 the gpu and dsp simulations within 3x.
 
 ``--busy N`` starts N busy-loop processes beside the measurement (a busy laptop or CI runner) and
-adds a table of the simulation at batch 1 with its default thread count (which leaves out the
+adds a table of each device's simulation at batch 1 with its default thread count (which leaves out the
 CPUs other processes keep busy), with one thread, and with every CPU forced: median, min, max and
 the largest swing (max / min) of the repeats.
 """
@@ -72,19 +72,18 @@ def busy_neighbours(n: int):
             pr.join()
 
 
-def threads_table(model, name: str, repeat: int) -> None:
-    """Batch-1 simulation times with the default thread count, one thread and every CPU forced."""
+def threads_table(model, name: str, repeat: int, device: str) -> None:
+    """Batch-1 simulation times on ``device`` with the default thread count, one thread and every CPU forced."""
     from maceq.runtime import threads
 
     x = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
     cpus = len(os.sched_getaffinity(0))
-    print(f"{'threads':>22} {'median':>9} {'min':>9} {'max':>9} {'max/min':>8}")
     for label, n in (("default", None), ("1", 1), (f"{cpus} (forced)", cpus)):
         threads.limit(n)
         chosen = threads.current()
-        ts = run_times(lambda: model.run({name: x}, device="cpu"), repeat)
-        print(f"{label + f' (ran {chosen})':>22} {1000 * statistics.median(ts):>7.1f}ms {1000 * min(ts):>7.1f}ms "
-              f"{1000 * max(ts):>7.1f}ms {max(ts) / min(ts):>7.1f}x")
+        ts = run_times(lambda: model.run({name: x}, device=device), repeat)
+        print(f"{device:>6} {label + f' (ran {chosen})':>22} {1000 * statistics.median(ts):>7.1f}ms "
+              f"{1000 * min(ts):>7.1f}ms {1000 * max(ts):>7.1f}ms {max(ts) / min(ts):>7.1f}x")
     threads.limit(None)
 
 
@@ -139,10 +138,12 @@ def main(argv=None) -> int:
             min_o, min_s = min(t_ort), min(t_sim)
             print(f"{device:>6} {batch:>5} {1000 * med_o:>9.1f} ({1000 * min_o:>6.1f}) ms "
                   f"{1000 * med_s:>10.1f} ({1000 * min_s:>6.1f}) ms {med_s / med_o:>6.2f}x ({min_s / min_o:.2f}x)")
-    if args.busy and "cpu" in models:
+    if args.busy:
         print(f"with {args.busy} busy-loop neighbour(s), batch 1, {args.repeat} repeats:")
+        print(f"{'device':>6} {'threads':>22} {'median':>9} {'min':>9} {'max':>9} {'max/min':>8}")
         with busy_neighbours(args.busy):
-            threads_table(models["cpu"], name, args.repeat)
+            for device, model in models.items():
+                threads_table(model, name, args.repeat, device)
     return 0
 
 
