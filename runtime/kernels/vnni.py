@@ -1,0 +1,258 @@
+"""Exact integer GEMMs on AVX-512 VNNI: uint8 activations times int8 filters, int32 sums.
+
+``vpdpbusd`` adds to each of 16 int32 lanes the four products of unsigned bytes of one operand
+and signed bytes of the other, without saturation: every sum of K products of |u| <= 255 and
+|s| <= 128 is exact while K * 255 * 128 < 2^31 (K < 65,793; the callers check). One instruction
+does 64 multiply-adds, four times a float32 FMA's 16, and the activations need no conversion.
+
+The filter: a convolution's offset filter w' = w - w_zp (|w'| <= 255, one channel's values
+within 255 of each other) is stored as int8 s = w' + t per output channel, with
+t = -128 - min(w'); then for codes x (zero point zx) of one output pixel::
+
+    G = sum (x - zx) * w' = sum x * s - t * sum x - zx * sum w'
+
+``P = sum x * s`` comes from the tiles below; ``sum x`` per row and ``sum w'`` per channel are
+integer sums; G is exact in int64.
+
+Layout: s as [K/4, N16, 4] bytes (N16: N rounded up to 16; the padding columns are 0), so
+that one 64-byte load is four consecutive k of 16 channels. A tile is 4 rows of x (K a multiple
+of 4, rows ``lda`` bytes apart) times 16 * nv channels (nv = 1..4), accumulated in registers
+over all of K and stored once; the tiles are LLVM IR written through a numba intrinsic
+(``llvm.x86.avx512.vpdpbusd.512``), so they exist only where the CPU has AVX-512 VNNI and numba
+compiles for it (``available``). Equal to int64 sums: tests/test_vnni.py.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from maceq.runtime.kernels import jit
+
+try:
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.extending import intrinsic
+except ImportError:  # pragma: no cover - exercised only without numba
+    intrinsic = None
+
+__all__ = ["available", "PackedFilter", "pack_filter", "pointwise_sums", "pointwise_conv"]
+
+ROWS = 4  # rows of x per tile
+MAX_TERMS = 65_792  # K * 255 * 128 < 2^31
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_has_vnni() -> bool:
+    try:
+        import llvmlite.binding as ll
+
+        features = ll.get_host_cpu_features()
+    except Exception:  # pragma: no cover - no llvmlite, or a host it cannot describe
+        return False
+    return bool(features.get("avx512f") and features.get("avx512vnni"))
+
+
+def available() -> bool:
+    """True when the VNNI tiles can run: the compiled loops are on, the CPU has AVX-512 VNNI and
+    ``MACEQ_NO_VNNI`` is unset."""
+    return (intrinsic is not None and jit.available() and _cpu_has_vnni()
+            and os.environ.get("MACEQ_NO_VNNI", "") in ("", "0"))
+
+
+class PackedFilter:
+    """An offset filter w' [O, K] as VNNI bytes: ``data`` (int8, [K/4, n16, 4] flattened), ``n16``, and per
+    channel ``shift`` (t) and ``sums`` (sum w'), both int64."""
+
+    def __init__(self, wo: np.ndarray):
+        wo = np.asarray(wo, dtype=np.int64)
+        o, k = wo.shape
+        lo = wo.min(axis=1) if k else np.zeros(o, np.int64)
+        if k % 4 or k > MAX_TERMS or (k and int((wo.max(axis=1) - lo).max()) > 255):
+            raise ValueError(f"PackedFilter: K={k} must be a multiple of 4 below {MAX_TERMS}, and each channel's "
+                             "values within 255 of each other")
+        self.k, self.o = k, o
+        self.n16 = -(-o // 16) * 16
+        self.shift = -128 - lo
+        self.sums = wo.sum(axis=1)
+        s = np.zeros((k // 4, self.n16, 4), np.int8)
+        s[:, :o, :] = (wo + self.shift[:, None]).T.reshape(k // 4, 4, o).transpose(0, 2, 1)
+        self.data = s.reshape(-1)
+
+
+#: Below this many filter entries (K * O) a tile's fixed costs (its stores, the row sums, the corrections per
+#: output) outweigh its multiply-adds: on MobileNetV2's 1x1 layers, K=32, O=16 and K=16, O=96 ran 15-20%
+#: slower than the float32 GEMM path, K=96, O=24 as fast, K=24, O=144 and larger 1.4-3x faster.
+MIN_ENTRIES = 2048
+
+
+def pack_filter(wo: np.ndarray) -> PackedFilter | None:
+    """The VNNI form of the offset filter ``wo`` [O, K], or None where the tiles do not pay (fewer than
+    MIN_ENTRIES entries) or do not apply (K not a multiple of 4, too long, or a channel spanning more than 255)."""
+    wo = np.asarray(wo)
+    if wo.size < MIN_ENTRIES:
+        return None
+    try:
+        return PackedFilter(wo)
+    except ValueError:
+        return None
+
+
+if intrinsic is not None:
+    def _make_tile(nv: int):
+        """The intrinsic ``tile(a, a_off, lda, b, b_off, b_stride, c, c_off, ldc, k4)``: int32 c[r, 16v + j] for
+        r < 4, v < nv = sum over k < 4*k4 of a[r*lda + k] (uint8) * s8 bytes of b; offsets are in elements."""
+
+        @intrinsic
+        def tile(typingctx, a, a_off, lda, b, b_off, b_stride, c, c_off, ldc, k4):
+            if not (isinstance(a, types.Array) and a.dtype == types.uint8 and isinstance(b, types.Array)
+                    and b.dtype == types.int8 and isinstance(c, types.Array) and c.dtype == types.int32):
+                return None
+            sig = types.void(a, a_off, lda, b, b_off, b_stride, c, c_off, ldc, k4)
+
+            def codegen(context, builder, signature, args):
+                return _tile_ir(context, builder, signature, args, nv)
+
+            return sig, codegen
+
+        return tile
+
+    def _tile_ir(context, builder, signature, args, nv):
+        """The tile's loop over k4 steps: 4*nv accumulators (phi nodes), nv filter loads and 4 broadcast
+        activation words per step, 4*nv ``vpdpbusd``; the accumulators are stored once at the end."""
+        i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+        v16 = ir.VectorType(i32, 16)
+        a_arr, a_off, lda, b_arr, b_off, b_stride, c_arr, c_off, ldc, k4 = (
+            context.cast(builder, v, t, types.int64) if isinstance(t, types.Integer) else v
+            for v, t in zip(args, signature.args))
+
+        def base(i, v):
+            return builder.bitcast(context.make_array(signature.args[i])(context, builder, v).data, i8p)
+
+        pa, pb = builder.gep(base(0, a_arr), [a_off]), builder.gep(base(3, b_arr), [b_off])
+        pc = builder.gep(builder.bitcast(base(6, c_arr), i32.as_pointer()), [c_off])
+        dot = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16] * 3))
+        entry = builder.basic_block
+        loop, done = builder.append_basic_block("vnni_loop"), builder.append_basic_block("vnni_done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        k.add_incoming(ir.Constant(i64, 0), entry)
+        accs = [builder.phi(v16) for _ in range(ROWS * nv)]
+        for acc in accs:
+            acc.add_incoming(ir.Constant(v16, None), entry)
+        step = builder.mul(k, b_stride)
+        bvec = [builder.load(builder.bitcast(builder.gep(pb, [builder.add(step, ir.Constant(i64, 64 * v))]),
+                                             v16.as_pointer()), align=1) for v in range(nv)]
+        new = []
+        for r in range(ROWS):
+            row = builder.add(builder.mul(ir.Constant(i64, r), lda), builder.shl(k, ir.Constant(i64, 2)))
+            pa_r = builder.gep(pa, [row])
+            word = builder.load(builder.bitcast(pa_r, i32.as_pointer()), align=1)
+            av = builder.insert_element(ir.Constant(v16, ir.Undefined), word, ir.Constant(i32, 0))
+            av = builder.shuffle_vector(av, ir.Constant(v16, ir.Undefined), ir.Constant(v16, None))
+            new += [builder.call(dot, [accs[r * nv + v], av, bvec[v]]) for v in range(nv)]
+        k_next = builder.add(k, ir.Constant(i64, 1))
+        for acc, value in zip(accs, new):
+            acc.add_incoming(value, loop)
+        k.add_incoming(k_next, loop)
+        builder.cbranch(builder.icmp_signed("<", k_next, k4), loop, done)
+        builder.position_at_end(done)
+        for r in range(ROWS):
+            for v in range(nv):
+                p = builder.gep(pc, [builder.add(builder.mul(ir.Constant(i64, r), ldc), ir.Constant(i64, 16 * v))])
+                builder.store(new[r * nv + v], builder.bitcast(p, v16.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    _tile1, _tile2, _tile3, _tile4 = (_make_tile(nv) for nv in (1, 2, 3, 4))
+
+    _jit = njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+    _pjit = njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", parallel=True)
+
+    @_jit
+    def _tiles(a, a_off, lda, b, n16, c, k4):
+        """c[:4, :n16] = the 4 rows of a at a_off (lda apart) times the packed filter b, panel by panel."""
+        b_stride = np.int64(n16 * 4)
+        n0 = 0
+        while n16 - n0 >= 64:
+            _tile4(a, a_off, lda, b, np.int64(n0 * 4), b_stride, c, np.int64(n0), np.int64(n16), k4)
+            n0 += 64
+        rest = (n16 - n0) // 16
+        if rest == 3:
+            _tile3(a, a_off, lda, b, np.int64(n0 * 4), b_stride, c, np.int64(n0), np.int64(n16), k4)
+        elif rest == 2:
+            _tile2(a, a_off, lda, b, np.int64(n0 * 4), b_stride, c, np.int64(n0), np.int64(n16), k4)
+        elif rest == 1:
+            _tile1(a, a_off, lda, b, np.int64(n0 * 4), b_stride, c, np.int64(n0), np.int64(n16), k4)
+
+    @_jit
+    def _block_sums(x, r0, m, zx, b, n16, shift, wsums, g):
+        """g[:m, :O] (int64) = G for the m rows of x from r0: per 4 rows the tile's P (the last rows with zero rows
+        below them), less shift * sum(x) and zx * sum(w')."""
+        k = x.shape[1]
+        k4 = np.int64(k // 4)
+        xf = x.reshape(-1)
+        p = np.empty((ROWS, n16), np.int32)
+        pad = np.zeros((ROWS, k), np.uint8)
+        o = g.shape[1]
+        corr = np.empty(o, np.int64)
+        for c in range(o):
+            corr[c] = zx * wsums[c]
+        for q in range(0, m, ROWS):
+            rows = min(ROWS, m - q)
+            if rows == ROWS:
+                _tiles(xf, np.int64((r0 + q) * k), np.int64(k), b, n16, p.reshape(-1), k4)
+            else:
+                pad[:rows] = x[r0 + q:r0 + q + rows]
+                _tiles(pad.reshape(-1), np.int64(0), np.int64(k), b, n16, p.reshape(-1), k4)
+            for i in range(rows):
+                xr = x[r0 + q + i]
+                rs = np.int32(0)
+                for j in range(k):  # at most 65,792 * 255 < 2^31
+                    rs += np.int32(xr[j])
+                gr, pr, r64 = g[q + i], p[i], np.int64(rs)
+                for c in range(o):
+                    gr[c] = np.int64(pr[c]) - shift[c] * r64 - corr[c]
+
+    @_pjit
+    def _pointwise_sums(x, zx, b, n16, shift, wsums, block, out):
+        for t in prange((x.shape[0] + block - 1) // block):
+            r0 = t * block
+            _block_sums(x, r0, min(block, x.shape[0] - r0), zx, b, n16, shift, wsums, out[r0:])
+
+    @_pjit
+    def _pointwise(x, zx, b, n16, shift, wsums, block, scale, offset, y_theta, step, lo, hi, mode, out):
+        """Per block of rows (a multiple of 4, its int64 G in cache) on numba's threads: G by the tiles, then its
+        requantization (jit._requant_rows)."""
+        for t in prange((x.shape[0] + block - 1) // block):
+            r0 = t * block
+            m = min(block, x.shape[0] - r0)
+            g = np.empty((m, out.shape[1]), np.int64)
+            _block_sums(x, r0, m, zx, b, n16, shift, wsums, g)
+            jit._requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out[r0:r0 + m])
+
+
+def _rows_per_block(rows: int, o: int) -> int:
+    """Rows per block, a multiple of 4: the block's int64 G within 256 KiB, and every thread a block."""
+    fit = (1 << 18) // (8 * max(o, 1))
+    share = -(-rows // max(1, jit._num_threads()))
+    return max(ROWS, min(fit, share) // ROWS * ROWS)
+
+
+def pointwise_sums(x: np.ndarray, x_zp: int, f: PackedFilter) -> np.ndarray:
+    """int64 [rows, O]: G = sum (x - x_zp) * w' for uint8 x [rows, K] (C-contiguous) and the packed filter."""
+    x = np.ascontiguousarray(x)
+    out = np.empty((x.shape[0], f.o), np.int64)
+    _pointwise_sums(x, np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums, _rows_per_block(x.shape[0], f.o),
+                    out)
+    return out
+
+
+def pointwise_conv(x: np.ndarray, x_zp: int, f: PackedFilter, rq, out: np.ndarray) -> None:
+    """1x1 stride-1 convolution of uint8 x [rows, K] with the packed filter, requantized by ``rq`` (conv.py's
+    _ExactRequant, affine from G) into out [rows, O]: per block of rows, G by the tiles and the same float64
+    requantization as jit.pointwise_conv's."""
+    _pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
+               _rows_per_block(x.shape[0], f.o), rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo),
+               float(rq.hi), jit._mode(affine=True, correct=rq.correct, lo=rq.lo), out)
