@@ -110,3 +110,66 @@ def test_stock_mace_mobilenet_v2_taps_on_the_tiles(shared_data, monkeypatch):
     for t in uint8:
         got = np.asarray(res.tensors[t["tensor"]].values)
         assert np.array_equal(got.reshape(taps[t["tensor"]][0].shape), taps[t["tensor"]][0]), t["tensor"]
+
+
+def test_gpu_convolutions_on_the_tiles_equal_the_other_paths(monkeypatch):
+    # the gpu's sums in integers, then f32(G + bias) as float_rte rounds the int32: both sum paths (a bias past
+    # 2^24 takes the float64 one), im2col rows past 1x1, and the FullyConnected
+    from maceq.runtime.kernels import gpu as g
+
+    rng = np.random.default_rng(9)
+    calls = []
+    real = vnni.gpu_pointwise
+    monkeypatch.setattr(vnni, "gpu_pointwise", lambda *a: calls.append(1) or real(*a))
+    cases = [(64, 48, 1, (1, 1), (0, 0, 0, 0), 50_000), (300, 12, 1, (1, 1), (0, 0, 0, 0), 50_000),
+             (24, 96, 1, (1, 1), (0, 0, 0, 0), 2 ** 26), (40, 64, 3, (2, 1), (1, 0, 2, 1), 50_000)]
+    for c, o, k, st, pads, bias_max in cases:
+        x = rng.integers(0, 256, (2, 6, 7, c), dtype=np.uint8)
+        w = rng.integers(-128, 128, (o, k, k, c), dtype=np.int8)
+        w[0], x[0, 0] = -128, 255
+        bias = rng.integers(-bias_max, bias_max, o).astype(np.int32)
+        kw = dict(x_zp=17, out_zp=131, strides=st, pads=pads, scale_c=g.gpu_requant_scales(
+            np.float32(0.02), np.float32(rng.uniform(1e-3, 1e-2, o)).astype(np.float32),
+            np.float32(0.05 if bias_max < 2 ** 20 else 400.0)))
+        got = g.gpu_conv2d(x, w, bias, **kw)
+        with monkeypatch.context() as m:
+            m.setenv("MACEQ_NO_VNNI", "1")
+            assert np.array_equal(got, g.gpu_conv2d(x, w, bias, **kw))
+        want = g.gpu_conv2d_ref(x[:1, :3], w, bias, **kw) if k == 1 else g.gpu_conv2d_ref(x, w, bias, **kw)
+        assert np.array_equal(got[:1, :3] if k == 1 else got, want)
+        assert 0 < np.count_nonzero((want > 0) & (want < 255))
+    x = rng.integers(0, 256, (3, 700), dtype=np.uint8)
+    w = rng.integers(-127, 128, (9, 700), dtype=np.int8)
+    bias = rng.integers(-2 ** 20, 2 ** 20, 9).astype(np.int32)
+    kw = dict(x_zp=40, out_zp=120, scale_c=g.gpu_requant_scales(np.float32(0.02), np.float32(
+        rng.uniform(1e-4, 1e-3, 9)).astype(np.float32), np.float32(0.5)))
+    got = g.gpu_fully_connected(x, w, bias, **kw)
+    assert np.array_equal(got, g.gpu_fully_connected_ref(x, w, bias, **kw))
+    assert calls == [1] * (len(cases) + 1)
+
+
+@pytest.mark.parametrize("case", [((1, 1), 300, 16, (1, 1), (0, 0), (6, 6)), ((3, 3), 40, 64, (2, 1), (1, 1), (3, 8)),
+                                  ((1, 1), 33_100, 3, (1, 1), (0, 0), (1, 1))], ids=["1x1", "3x3", "wraps"])
+def test_dsp_sums_on_the_tiles_equal_int64_sums(case, monkeypatch):
+    # nnlib's convolution sums (in_offset at the taps outside x), wrapped to int32 where they can leave it
+    from maceq.runtime.kernels import dsp
+
+    (kh, kw), c, o, strides, before, out_hw = case
+    rng = np.random.default_rng(c)
+    hw = 1 if c > 1000 else 6
+    x = rng.integers(0, 256, (1, hw, hw, c), dtype=np.uint8)
+    w = rng.integers(0, 256, (kh, kw, c, o), dtype=np.uint8)
+    io, wo = (0, 0) if c > 1000 else (int(rng.integers(0, 256)), int(rng.integers(0, 256)))
+    if c > 1000:
+        x[:], w[:] = 255, 255  # every product at its largest: the sum passes 2^31
+    calls = []
+    real = vnni.pointwise_sums
+    monkeypatch.setattr(vnni, "pointwise_sums", lambda *a: calls.append(1) or real(*a))
+    got = dsp._conv_sums(x, w, io, wo, strides, before, out_hw)
+    want = np.zeros((1, *out_hw, o), dtype=np.int64)
+    for oy, ox, i, j in np.ndindex(*out_hw, kh, kw):
+        iy, ix = oy * strides[0] + i - before[0], ox * strides[1] + j - before[1]
+        if 0 <= iy < hw and 0 <= ix < hw:
+            want[0, oy, ox] += (x[0, iy, ix].astype(np.int64) - io) @ (w[i, j].astype(np.int64) - wo)
+    assert calls == [1] and np.array_equal(got, dsp._wrap32(want))
+    assert (c > 1000) == bool(np.any(want != dsp._wrap32(want)))

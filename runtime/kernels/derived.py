@@ -17,8 +17,9 @@ __all__ = ["derived"]
 _CACHE: dict = {}  # id(array) -> (weak reference to it, {key: read-only array derived from it})
 
 
-def derived(src: np.ndarray, key: Hashable, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """``make(src)`` computed once per live array ``src`` and ``key``, kept until ``src`` is freed; read-only.
+def derived(src: np.ndarray, key: Hashable, make: Callable[[np.ndarray], object]):
+    """``make(src)`` computed once per live array ``src`` and ``key``, kept until ``src`` is freed; an array result is
+    made read-only (any other object is kept as it is, and must not be None).
 
     A view counts as its base array seen through the view's shape, strides, offset and type (a kernel that
     reshapes a model's constant on every run still finds its conversion). ``make`` must return a new array (not
@@ -37,8 +38,9 @@ def derived(src: np.ndarray, key: Hashable, make: Callable[[np.ndarray], np.ndar
     hit = entry[1].get(key)
     if hit is None:
         hit = make(src)
-        if np.shares_memory(hit, root):
-            raise ValueError("derived: make() returned a view of its source")
-        hit.flags.writeable = False
+        if isinstance(hit, np.ndarray):
+            if np.shares_memory(hit, root):
+                raise ValueError("derived: make() returned a view of its source")
+            hit.flags.writeable = False
         entry[1][key] = hit
     return hit

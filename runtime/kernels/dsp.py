@@ -37,7 +37,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from maceq.errors import MaceqError
 from maceq.mace.enums import Padding as MacePadding
-from maceq.runtime.kernels import jit
+from maceq.runtime.kernels import jit, vnni
 from maceq.runtime.kernels import nnlib_ref as r
 from maceq.runtime.kernels.conv import im2col_rows
 from maceq.runtime.kernels.derived import derived
@@ -363,7 +363,12 @@ def _conv_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray
     if compiled:
         rows = x.reshape(-1, c) if pointwise else im2col_rows(x, in_offset, kernel=(kh, kw), strides=strides,
                                                               dilations=(1, 1), before=before, out_hw=out_hw)
-        sums = jit.dsp_pointwise_sums(rows, in_offset, wz, F32_EXACT_TERMS)
+        f = derived(w, ("vnni", w_offset), lambda v: (vnni.pack_filter(v.reshape(-1, o).T.astype(np.int64)
+                                                                        - w_offset),))[0] if vnni.available() else None
+        if f is not None:  # the same sums exactly in integers on AVX-512 VNNI tiles (runtime/kernels/vnni.py)
+            sums = vnni.pointwise_sums(rows, in_offset, f)
+        else:
+            sums = jit.dsp_pointwise_sums(rows, in_offset, wz, F32_EXACT_TERMS)
         return (sums if rows.shape[1] * PRODUCT_MAX < 2 ** 31 else _wrap32(sums)).reshape(x.shape[0], *out_hw, o)
     if pointwise:
         rows = x.reshape(-1, c).astype(np.float32) - np.float32(in_offset)

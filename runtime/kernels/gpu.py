@@ -44,7 +44,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.runtime.fixedpoint import wrap_int32
-from maceq.runtime.kernels import jit
+from maceq.runtime.kernels import jit, vnni
 from maceq.runtime.kernels.concat import _qpair
 from maceq.runtime.kernels.conv import conv_output_size, im2col_rows
 from maceq.runtime.kernels.derived import derived
@@ -387,6 +387,10 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
                   pads=pads, dilations=dilations, depthwise=False)
     k = a.kh * a.kw * a.c
     path = sum_path(k, a.bias, _F32 if k <= F32_EXACT_TERMS else np.float64)
+    f = _vnni_filter(a.w) if path != "wrap" else None
+    if f is not None:  # the same sums exactly in integers on AVX-512 VNNI tiles (runtime/kernels/vnni.py)
+        return vnni.gpu_pointwise(_im2col_rows(a), a.x_zp, f, a.bias, a.scale, a.out_zp).reshape(
+            a.x.shape[0], a.oh, a.ow, a.o)
     if path != "wrap" and jit.gemm_available():
         # the sums below (in any order: exact integers) and _requantize_sums' steps per block of rows, compiled;
         # other than 1x1 convs, on the im2col rows of x (tests/test_gpu_opencl.py)
@@ -407,6 +411,13 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
                 acc += rows[:, k0:k1] @ wf[:, i, j, k0:k1].T
     out = _requantize_sums(acc, a, a.kh * a.kw * a.c)
     return out.reshape(a.x.shape[0], a.oh, a.ow, a.o)
+
+
+def _vnni_filter(w: np.ndarray):
+    """The int8 filter [O, ...] packed for the VNNI tiles (once per filter array), or None where they do not run."""
+    if not vnni.available():
+        return None
+    return derived(w, "gpu_vnni", lambda v: (vnni.pack_filter(v.reshape(v.shape[0], -1).astype(np.int64)),))[0]
 
 
 def _im2col_rows(a: ConvArgs) -> np.ndarray:
@@ -508,6 +519,9 @@ def gpu_fully_connected(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c) -> 
     """
     x, w, b, s, x_zp, out_zp = _fc_check("gpu_fully_connected", x, w, bias, scale_c, x_zp, out_zp)
     path = sum_path(w.shape[1], b, _F32 if w.shape[1] <= F32_EXACT_TERMS else np.float64)
+    f = _vnni_filter(w) if path != "wrap" else None
+    if f is not None:  # as the 1x1 conv (gpu_conv2d)
+        return vnni.gpu_pointwise(x, x_zp, f, b, s, out_zp)
     if path != "wrap" and jit.gemm_available():  # as the 1x1 conv (gpu_conv2d, _requantize_sums)
         wt = derived(w, "gpu_wt", lambda v: np.ascontiguousarray(v.reshape(v.shape[0], -1).T, dtype=_F32))
         return jit.gpu_pointwise(x, x_zp, wt, b, s, out_zp, chunk=F32_EXACT_TERMS, wide=path == "float64")

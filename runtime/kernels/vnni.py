@@ -14,6 +14,10 @@ t = -128 - min(w'); then for codes x (zero point zx) of one output pixel::
 ``P = sum x * s`` comes from the tiles below; ``sum x`` per row and ``sum w'`` per channel are
 integer sums; G is exact in int64.
 
+Users: the cpu's 1x1 convolutions (``pointwise_conv``, with its float64 requantization), the gpu's convolutions
+and FullyConnected on im2col rows (``gpu_pointwise``, with its float32 requantization) and nnlib's convolution
+sums (``pointwise_sums``); each falls back to its float32-GEMM path where the tiles do not apply.
+
 Layout: s as [K/4, N16, 4] bytes (N16: N rounded up to 16; the padding columns are 0), so
 that one 64-byte load is four consecutive k of 16 channels. A tile is 4 rows of x (K a multiple
 of 4, rows ``lda`` bytes apart) times 16 * nv channels (nv = 1..4), accumulated in registers
@@ -37,7 +41,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without numba
     intrinsic = None
 
-__all__ = ["available", "PackedFilter", "pack_filter", "pointwise_sums", "pointwise_conv"]
+__all__ = ["available", "PackedFilter", "pack_filter", "pointwise_sums", "pointwise_conv", "gpu_pointwise"]
 
 ROWS = 4  # rows of x per tile
 MAX_TERMS = 65_792  # K * 255 * 128 < 2^31
@@ -233,6 +237,23 @@ if intrinsic is not None:
             jit._requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out[r0:r0 + m])
 
 
+if intrinsic is not None:
+    @_pjit
+    def _gpu_pointwise(x, zx, b, n16, shift, wsums, block, bias, scale, zp, out):
+        """The gpu's codes per block of rows: G by the tiles, then sat_rte(f32(f32(G + bias) * scale) + zp), where
+        f32(G + bias) rounds the exact int64 sum to nearest even as float_rte rounds the (unwrapped) int32."""
+        zero = np.float32(0)
+        for t in prange((x.shape[0] + block - 1) // block):
+            r0 = t * block
+            m = min(block, x.shape[0] - r0)
+            g = np.empty((m, out.shape[1]), np.int64)
+            _block_sums(x, r0, m, zx, b, n16, shift, wsums, g)
+            for i in range(m):
+                gr, dst = g[i], out[r0 + i]
+                for c in range(out.shape[1]):
+                    dst[c] = jit._gpu_code(np.float32(gr[c] + bias[c]), zero, scale[c], zp)
+
+
 def _rows_per_block(rows: int, o: int) -> int:
     """Rows per block, a multiple of 4: the block's int64 G within 256 KiB, and every thread a block."""
     fit = (1 << 18) // (8 * max(o, 1))
@@ -256,3 +277,13 @@ def pointwise_conv(x: np.ndarray, x_zp: int, f: PackedFilter, rq, out: np.ndarra
     _pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
                _rows_per_block(x.shape[0], f.o), rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo),
                float(rq.hi), jit._mode(affine=True, correct=rq.correct, lo=rq.lo), out)
+
+
+def gpu_pointwise(x: np.ndarray, x_zp: int, f: PackedFilter, bias: np.ndarray, scale: np.ndarray, zp) -> np.ndarray:
+    """The gpu convolution's codes [rows, O] of uint8 x [rows, K] (im2col rows past 1x1) with the packed int8
+    filter, int bias [O] (every |G + bias| below 2^31: runtime/kernels/gpu.py ``sum_path`` is not "wrap") and float32
+    scale [O]."""
+    out = np.empty((x.shape[0], f.o), np.uint8)
+    _gpu_pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
+                   _rows_per_block(x.shape[0], f.o), np.asarray(bias, dtype=np.int64), scale, np.float32(zp), out)
+    return out
