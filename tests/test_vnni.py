@@ -173,3 +173,18 @@ def test_dsp_sums_on_the_tiles_equal_int64_sums(case, monkeypatch):
             want[0, oy, ox] += (x[0, iy, ix].astype(np.int64) - io) @ (w[i, j].astype(np.int64) - wo)
     assert calls == [1] and np.array_equal(got, dsp._wrap32(want))
     assert (c > 1000) == bool(np.any(want != dsp._wrap32(want)))
+
+
+def test_the_tiles_need_numba_to_compile_for_this_cpu(monkeypatch):
+    # a portable numba target (NUMBA_CPU_NAME=generic) has no VNNI: the float32 paths run instead
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", "generic")
+    assert not vnni.available()
+    monkeypatch.setattr(config, "CPU_NAME", None)
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2")
+    assert not vnni.available()
+    monkeypatch.setattr(config, "CPU_FEATURES", None)
+    assert vnni.available()
+    monkeypatch.setenv("MACEQ_NO_VNNI", "1")
+    assert not vnni.available()

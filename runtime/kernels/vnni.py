@@ -58,10 +58,18 @@ def _cpu_has_vnni() -> bool:
     return bool(features.get("avx512f") and features.get("avx512vnni"))
 
 
+def _numba_targets_host() -> bool:
+    """numba compiles for this CPU (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES unset): a portable target such as
+    ``generic`` has no VNNI, and LLVM cannot lower the tiles' instruction for it."""
+    from numba.core import config
+
+    return config.CPU_NAME in (None, "host") and not config.CPU_FEATURES
+
+
 def available() -> bool:
-    """True when the VNNI tiles can run: the compiled loops are on, the CPU has AVX-512 VNNI and
-    ``MACEQ_NO_VNNI`` is unset."""
-    return (intrinsic is not None and jit.available() and _cpu_has_vnni()
+    """True when the VNNI tiles can run: the compiled loops are on, the CPU has AVX-512 VNNI, numba compiles for
+    it, and ``MACEQ_NO_VNNI`` is unset."""
+    return (intrinsic is not None and jit.available() and _cpu_has_vnni() and _numba_targets_host()
             and os.environ.get("MACEQ_NO_VNNI", "") in ("", "0"))
 
 
