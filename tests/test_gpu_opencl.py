@@ -676,6 +676,12 @@ def test_errors_are_maceq_errors():
         g.gpu_conv2d(x, np.zeros((1, 1, 1, 1), np.uint8), x_zp=0, out_zp=0, scale_c=np.ones(1, F32))
     with pytest.raises(MaceqError, match="scale_c"):
         g.gpu_conv2d(x, np.zeros((1, 1, 1, 1), np.int8), x_zp=0, out_zp=0, scale_c=np.ones(1))
+    bad = np.array([np.inf], F32)
+    for _ in range(2):  # the check is kept per scale array: the second call refuses it too
+        with pytest.raises(MaceqError, match="finite and >= 0"):
+            g.gpu_conv2d(x, np.zeros((1, 1, 1, 1), np.int8), x_zp=0, out_zp=0, scale_c=bad)
+    with pytest.raises(MaceqError, match="finite and >= 0"):
+        g.gpu_conv2d(x, np.zeros((1, 1, 1, 1), np.int8), x_zp=0, out_zp=0, scale_c=np.array([-1.0], F32))
     with pytest.raises(MaceqError, match="smaller than the kernel"):
         g.gpu_max_pool(x, kernel=(2, 2), strides=(1, 1), pads=(2, 0, 0, 0))
     with pytest.raises(MaceqError, match="alpha"):

@@ -140,7 +140,7 @@ def _bias(op: str, bias, n: int) -> np.ndarray:
     b = np.asarray(bias)
     if b.shape != (n,) or b.dtype != np.int32:
         raise MaceqError(f"{op}: bias must be int32 of shape ({n},), got {b.dtype} {b.shape}")
-    return b.astype(np.int64)
+    return derived(b, "int64", lambda v: v.astype(np.int64))  # a model's bias: converted once
 
 
 def _scale_c(op: str, scale_c, n: int) -> np.ndarray:
@@ -148,7 +148,7 @@ def _scale_c(op: str, scale_c, n: int) -> np.ndarray:
     if s.dtype != np.float32 or s.shape != (n,):
         raise MaceqError(f"{op}: scale_c must be float32 of shape ({n},), got {s.dtype} {s.shape}"
                          " (use gpu_requant_scales)")
-    if not np.all(np.isfinite(s)) or np.any(s < 0):
+    if not derived(s, "finite, >= 0", lambda v: (bool(np.all(np.isfinite(v)) and not np.any(v < 0)),))[0]:
         raise MaceqError(f"{op}: scale_c must be finite and >= 0")
     return s
 
@@ -432,7 +432,8 @@ def _im2col_rows(a: ConvArgs) -> np.ndarray:
 def sum_path(terms: int, bias: np.ndarray, acc_dtype) -> str:
     """How :func:`_requantize_sums` adds the bias to sums of ``terms`` products: "float32" (every sum below
     2^24), "float64" (below 2^31: no wrap), or "wrap" (the int32 wrap of the kernel's uint sum)."""
-    bound = terms * 255 * 128 + (int(np.max(np.abs(bias))) if bias.size else 0)
+    largest = derived(bias, "max |bias|", lambda v: (int(np.max(np.abs(v))) if v.size else 0,))[0]
+    bound = terms * 255 * 128 + largest
     if bound >= 2 ** 31:
         return "wrap"
     return "float32" if bound < 2 ** 24 and acc_dtype == _F32 else "float64"
