@@ -69,8 +69,8 @@ def _numba_targets_host() -> bool:
 def available() -> bool:
     """True when the VNNI tiles can run: the compiled loops are on, the CPU has AVX-512 VNNI, numba compiles for
     it, and ``MACEQ_NO_VNNI`` is unset."""
-    return (intrinsic is not None and jit.available() and _cpu_has_vnni() and _numba_targets_host()
-            and os.environ.get("MACEQ_NO_VNNI", "") in ("", "0"))
+    return (os.environ.get("MACEQ_NO_VNNI", "") in ("", "0") and intrinsic is not None and jit.available()
+            and _cpu_has_vnni() and _numba_targets_host())
 
 
 class PackedFilter:
