@@ -49,8 +49,9 @@ def test_tiles_at_the_longest_reduction():
     x = np.full((4, k), 255, np.uint8)
     want = x.astype(np.int64) @ wo.T
     assert np.array_equal(vnni.pointwise_sums(x, 0, f), want) and want.min() == -255 * 255 * k
-    with pytest.raises(ValueError, match="multiple of 4"):
-        vnni.PackedFilter(np.zeros((16, k + 4), np.int64))
+    for bad_k in (k + 4, 0, 6):  # past the int32 bound, empty, not a multiple of 4
+        with pytest.raises(ValueError, match="multiple of 4"):
+            vnni.PackedFilter(np.zeros((16, bad_k), np.int64))
 
 
 def test_pack_filter_refuses_what_the_tiles_cannot_do():

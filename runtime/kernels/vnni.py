@@ -80,10 +80,11 @@ class PackedFilter:
     def __init__(self, wo: np.ndarray):
         wo = np.asarray(wo, dtype=np.int64)
         o, k = wo.shape
-        lo = wo.min(axis=1) if k else np.zeros(o, np.int64)
-        if k % 4 or k > MAX_TERMS or (k and int((wo.max(axis=1) - lo).max()) > 255):
-            raise ValueError(f"PackedFilter: K={k} must be a multiple of 4 below {MAX_TERMS}, and each channel's "
-                             "values within 255 of each other")
+        if k < 4 or k % 4 or k > MAX_TERMS:  # a tile runs at least one step of 4
+            raise ValueError(f"PackedFilter: K={k} must be a positive multiple of 4 up to {MAX_TERMS}")
+        lo = wo.min(axis=1)
+        if o and int((wo.max(axis=1) - lo).max()) > 255:
+            raise ValueError("PackedFilter: each channel's values must lie within 255 of each other")
         self.k, self.o = k, o
         self.n16 = -(-o // 16) * 16
         self.shift = -128 - lo
