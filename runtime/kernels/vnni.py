@@ -264,10 +264,12 @@ if intrinsic is not None:
 
 
 def _rows_per_block(rows: int, o: int) -> int:
-    """Rows per block, a multiple of 4: the block's int64 G within 256 KiB, and every thread a block."""
-    fit = (1 << 18) // (8 * max(o, 1))
-    share = -(-rows // max(1, jit._num_threads()))
-    return max(ROWS, min(fit, share) // ROWS * ROWS)
+    """Rows per block, a multiple of 4: the block's int64 G within 256 KiB, and the blocks a multiple of the
+    threads in number, near equal in size (a thread with one block more than the others makes the rest wait)."""
+    threads = max(1, jit._num_threads())
+    fit = max(ROWS, (1 << 18) // (8 * max(o, 1)))
+    blocks = threads * -(-rows // (threads * fit))
+    return max(ROWS, -(-(-(-rows // blocks)) // ROWS) * ROWS)
 
 
 def pointwise_sums(x: np.ndarray, x_zp: int, f: PackedFilter) -> np.ndarray:
