@@ -873,14 +873,6 @@ class Conv2dPlan:
         self._modes[dtype] = hit
         return hit
 
-    def _vnni(self):
-        """The filter packed for the VNNI tiles, or None where they do not run (runtime/kernels/vnni.py)."""
-        if not vnni.available():
-            return None
-        if not hasattr(self, "_packed"):
-            self._packed = vnni.pack_filter(self.wo)
-        return self._packed
-
     def path(self, dtype=np.uint8) -> str:
         """Which path inputs of ``dtype`` take: "folded", "g32", "g64" or "generic"."""
         kind, _, dt = self._mode(np.dtype(dtype))
@@ -903,10 +895,12 @@ class Conv2dPlan:
         if kind is None:
             return _conv2d_generic(x, self.w, self.bias, **self.kwargs)
         pointwise = g.kh == g.kw == g.sh == g.sw == 1 and not (g.top or g.left or g.bottom or g.right)
-        if kind == "g" and self.group == 1 and pointwise and x.dtype == np.uint8 and self._vnni() is not None:
+        f = vnni.packed(self.wo, 0, lambda v: v) if kind == "g" and self.group == 1 and pointwise \
+            and x.dtype == np.uint8 else None
+        if f is not None:
             # G exact in integers by AVX-512 VNNI tiles, then the same requantization (runtime/kernels/vnni.py)
             out = np.empty((g.n, g.oh, g.ow, self.w.shape[0]), self.out_dtype)
-            vnni.pointwise_conv(x.reshape(-1, g.c), self.x_zp, self._packed, self.rq, out.reshape(-1, out.shape[3]))
+            vnni.pointwise_conv(x.reshape(-1, g.c), self.x_zp, f, self.rq, out.reshape(-1, out.shape[3]))
             return out
         if kind == "g" and self.group == 1 and jit.gemm_available():
             # whole in compiled code, blocks of rows on numba's threads (runtime/kernels/jit.py)

@@ -358,19 +358,21 @@ def _conv_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray
     pointwise = (kh, kw) == (1, 1) and tuple(before) == (0, 0) and tuple(out_hw) == x.shape[1:3] \
         and tuple(strides) == (1, 1)
     compiled = jit.gemm_available() and 0 <= in_offset <= 255
-    if pointwise or compiled:
-        wz = derived(w, ("wz32", w_offset), lambda v: v.reshape(-1, o).astype(np.float32) - np.float32(w_offset))
+
+    def offset_filter32():  # [K, O] float32, once per filter
+        return derived(w, ("wz32", w_offset), lambda v: v.reshape(-1, o).astype(np.float32) - np.float32(w_offset))
+
     if compiled:
         rows = x.reshape(-1, c) if pointwise else im2col_rows(x, in_offset, kernel=(kh, kw), strides=strides,
                                                               dilations=(1, 1), before=before, out_hw=out_hw)
-        f = derived(w, ("vnni", w_offset), lambda v: (vnni.pack_filter(v.reshape(-1, o).T.astype(np.int64)
-                                                                        - w_offset),))[0] if vnni.available() else None
+        f = vnni.packed(w, w_offset, lambda v: v.reshape(-1, o).T.astype(np.int64) - w_offset)
         if f is not None:  # the same sums exactly in integers on AVX-512 VNNI tiles (runtime/kernels/vnni.py)
             sums = vnni.pointwise_sums(rows, in_offset, f)
         else:
-            sums = jit.dsp_pointwise_sums(rows, in_offset, wz, F32_EXACT_TERMS)
+            sums = jit.dsp_pointwise_sums(rows, in_offset, offset_filter32(), F32_EXACT_TERMS)
         return (sums if rows.shape[1] * PRODUCT_MAX < 2 ** 31 else _wrap32(sums)).reshape(x.shape[0], *out_hw, o)
     if pointwise:
+        wz = offset_filter32()
         rows = x.reshape(-1, c).astype(np.float32) - np.float32(in_offset)
         if c <= F32_EXACT_TERMS:
             acc = rows @ wz

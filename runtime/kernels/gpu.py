@@ -387,14 +387,14 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
                   pads=pads, dilations=dilations, depthwise=False)
     k = a.kh * a.kw * a.c
     path = sum_path(k, a.bias, _F32 if k <= F32_EXACT_TERMS else np.float64)
-    f = _vnni_filter(a.w) if path != "wrap" else None
+    f = vnni.packed(a.w, 0, _rows_of) if path != "wrap" else None
     if f is not None:  # the same sums exactly in integers on AVX-512 VNNI tiles (runtime/kernels/vnni.py)
         return vnni.gpu_pointwise(_im2col_rows(a), a.x_zp, f, a.bias, a.scale, a.out_zp).reshape(
             a.x.shape[0], a.oh, a.ow, a.o)
     if path != "wrap" and jit.gemm_available():
         # the sums below (in any order: exact integers) and _requantize_sums' steps per block of rows, compiled;
         # other than 1x1 convs, on the im2col rows of x (tests/test_gpu_opencl.py)
-        wt = derived(a.w, "gpu_wt", lambda v: np.ascontiguousarray(v.reshape(v.shape[0], -1).T, dtype=_F32))
+        wt = _gemm_filter(a.w)
         out = jit.gpu_pointwise(_im2col_rows(a), a.x_zp, wt, a.bias, a.scale, a.out_zp, chunk=F32_EXACT_TERMS,
                                 wide=path == "float64")
         return out.reshape(a.x.shape[0], a.oh, a.ow, a.o)
@@ -413,11 +413,14 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
     return out.reshape(a.x.shape[0], a.oh, a.ow, a.o)
 
 
-def _vnni_filter(w: np.ndarray):
-    """The int8 filter [O, ...] packed for the VNNI tiles (once per filter array), or None where they do not run."""
-    if not vnni.available():
-        return None
-    return derived(w, "gpu_vnni", lambda v: (vnni.pack_filter(v.reshape(v.shape[0], -1).astype(np.int64)),))[0]
+def _gemm_filter(w: np.ndarray) -> np.ndarray:
+    """The int8 filter [O, ...] as the float32 GEMM operand [K, O] (C-contiguous), once per filter array."""
+    return derived(w, "gpu_wt", lambda v: np.ascontiguousarray(v.reshape(v.shape[0], -1).T, dtype=_F32))
+
+
+def _rows_of(w: np.ndarray) -> np.ndarray:
+    """The int8 filter [O, ...] as int64 rows [O, K] in its own (KH, KW, C) order."""
+    return w.reshape(w.shape[0], -1).astype(np.int64)
 
 
 def _im2col_rows(a: ConvArgs) -> np.ndarray:
@@ -520,11 +523,11 @@ def gpu_fully_connected(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c) -> 
     """
     x, w, b, s, x_zp, out_zp = _fc_check("gpu_fully_connected", x, w, bias, scale_c, x_zp, out_zp)
     path = sum_path(w.shape[1], b, _F32 if w.shape[1] <= F32_EXACT_TERMS else np.float64)
-    f = _vnni_filter(w) if path != "wrap" else None
+    f = vnni.packed(w, 0, _rows_of) if path != "wrap" else None
     if f is not None:  # as the 1x1 conv (gpu_conv2d)
         return vnni.gpu_pointwise(x, x_zp, f, b, s, out_zp)
     if path != "wrap" and jit.gemm_available():  # as the 1x1 conv (gpu_conv2d, _requantize_sums)
-        wt = derived(w, "gpu_wt", lambda v: np.ascontiguousarray(v.reshape(v.shape[0], -1).T, dtype=_F32))
+        wt = _gemm_filter(w)
         return jit.gpu_pointwise(x, x_zp, wt, b, s, out_zp, chunk=F32_EXACT_TERMS, wide=path == "float64")
     acc = (x.astype(np.float64) - x_zp) @ derived(w, "gpu_f64", lambda v: v.astype(np.float64)).T
     return gpu_requantize_acc(_wrap_acc(acc, b), s, out_zp)

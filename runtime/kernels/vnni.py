@@ -33,6 +33,7 @@ import os
 import numpy as np
 
 from maceq.runtime.kernels import jit
+from maceq.runtime.kernels.derived import derived
 
 try:
     from llvmlite import ir
@@ -41,7 +42,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without numba
     intrinsic = None
 
-__all__ = ["available", "PackedFilter", "pack_filter", "pointwise_sums", "pointwise_conv", "gpu_pointwise"]
+__all__ = ["available", "PackedFilter", "pack_filter", "packed", "pointwise_sums", "pointwise_conv", "gpu_pointwise"]
 
 ROWS = 4  # rows of x per tile
 MAX_TERMS = 65_792  # K * 255 * 128 < 2^31
@@ -110,6 +111,14 @@ def pack_filter(wo: np.ndarray) -> PackedFilter | None:
         return PackedFilter(wo)
     except ValueError:
         return None
+
+
+def packed(src: np.ndarray, key, offset_filter) -> PackedFilter | None:
+    """The packed form of ``offset_filter(src)`` (an offset filter [O, K]), made once per live array ``src`` and
+    ``key`` (runtime/kernels/derived.py); None where the tiles do not run or do not apply."""
+    if not available():
+        return None
+    return derived(src, ("vnni", key), lambda v: (pack_filter(offset_filter(v)),))[0]
 
 
 if intrinsic is not None:
