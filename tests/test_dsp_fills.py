@@ -111,7 +111,7 @@ def test_conv_sums_equal_plain_int64_sums(case, loops, monkeypatch):
     # them, read only padding) and numpy's
     from maceq.runtime.kernels import jit
 
-    monkeypatch.setenv("MACEQ_NO_VNNI", "1")  # the float32 GEMMs (the VNNI tiles: tests/test_vnni.py)
+    monkeypatch.setenv("MACEQ_NO_INTGEMM", "1")  # the float32 GEMMs (the integer tiles: tests/test_intgemm.py)
     calls = []
     real = jit.dsp_pointwise_sums
     monkeypatch.setattr(jit, "dsp_pointwise_sums", lambda *a: calls.append(1) or real(*a))

@@ -259,10 +259,10 @@ def _compiled_numpy_and_reference_agree(monkeypatch, sim, ref, x, w, bias, kw):
 
 
 def test_compiled_gpu_paths_equal_the_numpy_path_and_the_reference(monkeypatch):
-    # the float32-GEMM compiled paths (the VNNI tiles: tests/test_vnni.py)
+    # the float32-GEMM compiled paths (the integer tiles: tests/test_intgemm.py)
     from maceq.runtime.kernels import jit
 
-    monkeypatch.setenv("MACEQ_NO_VNNI", "1")
+    monkeypatch.setenv("MACEQ_NO_INTGEMM", "1")
 
     if not jit.available():
         pytest.skip("numba not available: the numpy path is the only one")

@@ -50,7 +50,7 @@ from maceq.runtime.fixedpoint import (
     round_half_away,
     wrap_int32,
 )
-from maceq.runtime.kernels import jit, vnni
+from maceq.runtime.kernels import intgemm, jit
 from maceq.runtime.kernels.cfloat import fmaf as _fmaf  # float32 FMA, shared with the float kernels
 
 __all__ = [
@@ -895,12 +895,12 @@ class Conv2dPlan:
         if kind is None:
             return _conv2d_generic(x, self.w, self.bias, **self.kwargs)
         pointwise = g.kh == g.kw == g.sh == g.sw == 1 and not (g.top or g.left or g.bottom or g.right)
-        f = vnni.packed(self.wo, 0, lambda v: v) if kind == "g" and self.group == 1 and pointwise \
+        f = intgemm.packed(self.wo, 0, lambda v: v) if kind == "g" and self.group == 1 and pointwise \
             and x.dtype == np.uint8 else None
         if f is not None:
-            # G exact in integers by AVX-512 VNNI tiles, then the same requantization (runtime/kernels/vnni.py)
+            # G exact in integers on the AVX-512 VNNI or AVX2 tiles, then the same requantization (intgemm.py)
             out = np.empty((g.n, g.oh, g.ow, self.w.shape[0]), self.out_dtype)
-            vnni.pointwise_conv(x.reshape(-1, g.c), self.x_zp, f, self.rq, out.reshape(-1, out.shape[3]))
+            intgemm.pointwise_conv(x.reshape(-1, g.c), self.x_zp, f, self.rq, out.reshape(-1, out.shape[3]))
             return out
         if kind == "g" and self.group == 1 and jit.gemm_available():
             # whole in compiled code, blocks of rows on numba's threads (runtime/kernels/jit.py)

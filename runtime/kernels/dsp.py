@@ -37,7 +37,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from maceq.errors import MaceqError
 from maceq.mace.enums import Padding as MacePadding
-from maceq.runtime.kernels import jit, vnni
+from maceq.runtime.kernels import intgemm, jit
 from maceq.runtime.kernels import nnlib_ref as r
 from maceq.runtime.kernels.conv import im2col_rows
 from maceq.runtime.kernels.derived import derived
@@ -365,9 +365,9 @@ def _conv_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray
     if compiled:
         rows = x.reshape(-1, c) if pointwise else im2col_rows(x, in_offset, kernel=(kh, kw), strides=strides,
                                                               dilations=(1, 1), before=before, out_hw=out_hw)
-        f = vnni.packed(w, w_offset, lambda v: v.reshape(-1, o).T.astype(np.int64) - w_offset)
-        if f is not None:  # the same sums exactly in integers on AVX-512 VNNI tiles (runtime/kernels/vnni.py)
-            sums = vnni.pointwise_sums(rows, in_offset, f)
+        f = intgemm.packed(w, w_offset, lambda v: v.reshape(-1, o).T.astype(np.int64) - w_offset)
+        if f is not None:  # the same sums exactly in integers on the integer tiles (runtime/kernels/intgemm.py)
+            sums = intgemm.pointwise_sums(rows, in_offset, f)
         else:
             sums = jit.dsp_pointwise_sums(rows, in_offset, offset_filter32(), F32_EXACT_TERMS)
         return (sums if rows.shape[1] * PRODUCT_MAX < 2 ** 31 else _wrap32(sums)).reshape(x.shape[0], *out_hw, o)

@@ -44,7 +44,7 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.runtime.fixedpoint import wrap_int32
-from maceq.runtime.kernels import jit, vnni
+from maceq.runtime.kernels import intgemm, jit
 from maceq.runtime.kernels.concat import _qpair
 from maceq.runtime.kernels.conv import conv_output_size, im2col_rows
 from maceq.runtime.kernels.derived import derived
@@ -387,9 +387,9 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
                   pads=pads, dilations=dilations, depthwise=False)
     k = a.kh * a.kw * a.c
     path = sum_path(k, a.bias, _F32 if k <= F32_EXACT_TERMS else np.float64)
-    f = vnni.packed(a.w, 0, _rows_of) if path != "wrap" else None
-    if f is not None:  # the same sums exactly in integers on AVX-512 VNNI tiles (runtime/kernels/vnni.py)
-        return vnni.gpu_pointwise(_im2col_rows(a), a.x_zp, f, a.bias, a.scale, a.out_zp).reshape(
+    f = intgemm.packed(a.w, 0, _rows_of) if path != "wrap" else None
+    if f is not None:  # the same sums exactly in integers on the integer tiles (runtime/kernels/intgemm.py)
+        return intgemm.gpu_pointwise(_im2col_rows(a), a.x_zp, f, a.bias, a.scale, a.out_zp).reshape(
             a.x.shape[0], a.oh, a.ow, a.o)
     if path != "wrap" and jit.gemm_available():
         # the sums below (in any order: exact integers) and _requantize_sums' steps per block of rows, compiled;
@@ -523,9 +523,9 @@ def gpu_fully_connected(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c) -> 
     """
     x, w, b, s, x_zp, out_zp = _fc_check("gpu_fully_connected", x, w, bias, scale_c, x_zp, out_zp)
     path = sum_path(w.shape[1], b, _F32 if w.shape[1] <= F32_EXACT_TERMS else np.float64)
-    f = vnni.packed(w, 0, _rows_of) if path != "wrap" else None
+    f = intgemm.packed(w, 0, _rows_of) if path != "wrap" else None
     if f is not None:  # as the 1x1 conv (gpu_conv2d)
-        return vnni.gpu_pointwise(x, x_zp, f, b, s, out_zp)
+        return intgemm.gpu_pointwise(x, x_zp, f, b, s, out_zp)
     if path != "wrap" and jit.gemm_available():  # as the 1x1 conv (gpu_conv2d, _requantize_sums)
         wt = _gemm_filter(w)
         return jit.gpu_pointwise(x, x_zp, wt, b, s, out_zp, chunk=F32_EXACT_TERMS, wide=path == "float64")

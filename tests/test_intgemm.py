@@ -1,5 +1,6 @@
-"""The AVX-512 VNNI tiles (runtime/kernels/vnni.py): exact int64 sums, the convolution path that uses them, and stock
-MACE's whole MobileNetV2 on them. Skipped where the CPU has no AVX-512 VNNI (the other paths then run)."""
+"""The integer tiles (runtime/kernels/intgemm.py), AVX-512 VNNI and AVX2: exact int64 sums, the convolution paths that
+use them, and stock MACE's whole MobileNetV2 on them. Each instruction set's checks run where the CPU has it (an
+AVX-512 VNNI CPU runs both); where neither runs, the float32-GEMM paths do, and these checks skip."""
 from __future__ import annotations
 
 import json
@@ -9,9 +10,19 @@ import pytest
 
 from maceq.runtime import load
 from maceq.runtime.kernels import conv as k_conv
-from maceq.runtime.kernels import vnni
+from maceq.runtime.kernels import intgemm
+from maceq.runtime.kernels.intgemm import Isa
 
-pytestmark = pytest.mark.skipif(not vnni.available(), reason="this CPU has no AVX-512 VNNI (or MACEQ_NO_VNNI is set)")
+pytestmark = pytest.mark.skipif(not intgemm.available(), reason="this CPU has neither AVX-512 VNNI nor AVX2 (or "
+                                "MACEQ_NO_INTGEMM is set)")
+
+
+def _isa_param(isa: Isa):
+    return pytest.param(isa, id=isa.value, marks=pytest.mark.skipif(
+        isa not in intgemm.supported(), reason=f"this CPU has no {isa.value}"))
+
+
+ISAS = [_isa_param(i) for i in Isa]
 
 
 def _filter(rng, o, k, *, spread=255):
@@ -25,43 +36,83 @@ def _filter(rng, o, k, *, spread=255):
     return wo
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows, k, o", [(1, 4, 1), (5, 16, 17), (13, 96, 33), (64, 144, 64), (7, 1280, 70),
                                         (3, 320, 130), (22, 36, 1000)])
-def test_tiles_equal_int64_sums(rows, k, o):
-    # every tail: rows past a multiple of 4, channels past 16 and 64 (tiles of 1 to 4 vectors), K down to 4
+def test_tiles_equal_int64_sums(isa, rows, k, o):
+    # every tail: rows past a multiple of 4, channels past 16 and 64 (VNNI tiles of 1 to 4 vectors), K down to 4
     rng = np.random.default_rng(rows * 1000 + k + o)
     wo = _filter(rng, o, k)
-    f = vnni.PackedFilter(wo)
+    f = intgemm.PackedFilter(wo, isa)
     for zx in (0, 255, int(rng.integers(1, 255))):
         x = rng.integers(0, 256, (rows, k), dtype=np.uint8)
         x[0] = 255  # the largest products of both signs
-        assert np.array_equal(vnni.pointwise_sums(x, zx, f), (x.astype(np.int64) - zx) @ wo.T)
+        assert np.array_equal(intgemm.pointwise_sums(x, zx, f), (x.astype(np.int64) - zx) @ wo.T)
 
 
-def test_tiles_at_the_longest_reduction():
+@pytest.mark.parametrize("isa", [_isa_param(Isa.AVX2)])
+@pytest.mark.parametrize("rows, k, o", [(1, 1, 3), (6, 27, 32), (9, 3, 40), (5, 321, 17)])
+def test_avx2_tiles_take_any_reduction_length(isa, rows, k, o):
+    # K odd or below 4 (a first 3x3 convolution's 27): the int16 rows end in a zero pad
+    rng = np.random.default_rng(k)
+    wo = _filter(rng, o, k)
+    x = rng.integers(0, 256, (rows, k), dtype=np.uint8)
+    x[0] = 0
+    assert np.array_equal(intgemm.pointwise_sums(x, 255, intgemm.PackedFilter(wo, isa)),
+                          (x.astype(np.int64) - 255) @ wo.T)
+
+
+def test_vnni_tiles_at_the_longest_reduction():
     # K = 65,792 products of 255 * -128 is the largest |sum| the int32 lanes hold: w' = -255 (shift 127) and
     # w' = 0 (shift -128) are both stored as s = -128
-    k = vnni.MAX_TERMS
+    if Isa.VNNI not in intgemm.supported():
+        pytest.skip("this CPU has no avx512-vnni")
+    k = intgemm.MAX_TERMS[Isa.VNNI]
     wo = np.full((16, k), -255, np.int64)
     wo[1::2] = 0
-    f = vnni.PackedFilter(wo)
+    f = intgemm.PackedFilter(wo, Isa.VNNI)
     assert (f.data == -128).sum() == 16 * k
     x = np.full((4, k), 255, np.uint8)
     want = x.astype(np.int64) @ wo.T
-    assert np.array_equal(vnni.pointwise_sums(x, 0, f), want) and want.min() == -255 * 255 * k
-    for bad_k in (k + 4, 0, 6):  # past the int32 bound, empty, not a multiple of 4
+    assert np.array_equal(intgemm.pointwise_sums(x, 0, f), want) and want.min() == -255 * 255 * k
+
+
+@pytest.mark.parametrize("isa", [_isa_param(Isa.AVX2)])
+def test_avx2_tiles_at_the_longest_reduction(isa):
+    # K = 33,025 products of (-255) * 255 and 255 * 255: the largest |sum| (2,147,450,625) the int32 lanes hold
+    k = intgemm.MAX_TERMS[isa]
+    wo = np.full((17, k), 255, np.int64)
+    wo[::2] = -255
+    x = np.full((5, k), 0, np.uint8)
+    x[1::2] = 255
+    want = (x.astype(np.int64) - 0) @ wo.T
+    got = intgemm.pointwise_sums(x, 0, intgemm.PackedFilter(wo, isa))
+    assert np.array_equal(got, want) and want.max() == 255 * 255 * k == -want.min()
+    assert np.array_equal(intgemm.pointwise_sums(255 - x, 255, intgemm.PackedFilter(wo, isa)), -want)
+
+
+def test_packed_filter_refuses_what_the_tiles_cannot_hold():
+    for bad_k in (intgemm.MAX_TERMS[Isa.VNNI] + 4, 0, 6):  # past the int32 bound, empty, not a multiple of 4
         with pytest.raises(ValueError, match="multiple of 4"):
-            vnni.PackedFilter(np.zeros((16, bad_k), np.int64))
+            intgemm.PackedFilter(np.zeros((16, bad_k), np.int64), Isa.VNNI)
+    for bad_k in (intgemm.MAX_TERMS[Isa.AVX2] + 1, 0):
+        with pytest.raises(ValueError, match="between 1 and 33025"):
+            intgemm.PackedFilter(np.zeros((16, bad_k), np.int64), Isa.AVX2)
+    with pytest.raises(ValueError, match=r"\[-255, 255\]"):
+        intgemm.PackedFilter(np.full((16, 8), 256, np.int64), Isa.AVX2)
 
 
 def test_pack_filter_refuses_what_the_tiles_cannot_do():
     rng = np.random.default_rng(3)
-    assert vnni.pack_filter(_filter(rng, 64, 96)) is not None
-    assert vnni.pack_filter(_filter(rng, 64, 98)) is None  # K not a multiple of 4
+    assert intgemm.pack_filter(_filter(rng, 64, 96), Isa.VNNI) is not None
+    assert intgemm.pack_filter(_filter(rng, 64, 98), Isa.VNNI) is None  # K not a multiple of 4
+    assert intgemm.pack_filter(_filter(rng, 64, 98), Isa.AVX2) is not None  # any K
     wide = _filter(rng, 64, 96)
-    wide[5, :2] = (-200, 100)  # one channel spanning 300: no int8 form
-    assert vnni.pack_filter(wide) is None
-    assert vnni.pack_filter(_filter(rng, 16, 96)) is None  # 1,536 entries: the float32 GEMM path is faster
+    wide[5, :2] = (-200, 100)  # one channel spanning 300: no int8 form, but int16 holds it
+    assert intgemm.pack_filter(wide, Isa.VNNI) is None
+    assert intgemm.pack_filter(wide, Isa.AVX2) is not None
+    for isa in Isa:  # 1,536 entries: the float32 GEMM path is faster
+        assert intgemm.pack_filter(_filter(rng, 16, 96), isa) is None
 
 
 def _plan_case(rng, c, o):
@@ -80,11 +131,11 @@ def test_conv_plan_takes_the_tiles_and_equals_the_other_paths(c, o, monkeypatch)
     x[0, 0, 0] = 255
     plan = k_conv.conv2d_plan(w, bias, **kw)
     calls = []
-    real = vnni.pointwise_conv
-    monkeypatch.setattr(vnni, "pointwise_conv", lambda *a: calls.append(1) or real(*a))
+    real = intgemm.pointwise_conv
+    monkeypatch.setattr(intgemm, "pointwise_conv", lambda *a: calls.append(1) or real(*a))
     got = plan(x)
     assert calls == [1]  # the tiles ran
-    monkeypatch.setenv("MACEQ_NO_VNNI", "1")
+    monkeypatch.setenv("MACEQ_NO_INTGEMM", "1")
     sgemm = plan(x)
     monkeypatch.setenv("MACEQ_NO_JIT", "1")
     numpy_path = plan(x)
@@ -102,8 +153,8 @@ def test_stock_mace_mobilenet_v2_taps_on_the_tiles(shared_data, monkeypatch):
     m = load(base / "models" / "mobilenet_v2_cpu" / "mobilenet_v2.yml")
     x = np.load(base / "models" / "mobilenet_v2_cpu" / "inputs.npy")[:1]
     calls = []
-    real = vnni.pointwise_conv
-    monkeypatch.setattr(vnni, "pointwise_conv", lambda *a: calls.append(1) or real(*a))
+    real = intgemm.pointwise_conv
+    monkeypatch.setattr(intgemm, "pointwise_conv", lambda *a: calls.append(1) or real(*a))
     res = m.run({"input": x}, device="cpu", intermediates=True)
     assert len(calls) >= 25  # MobileNetV2's 1x1 convolutions of 2,048 entries and more
     uint8 = [t for t in meta["taps"] if t["dtype"] == "uint8"]
@@ -120,8 +171,8 @@ def test_gpu_convolutions_on_the_tiles_equal_the_other_paths(monkeypatch):
 
     rng = np.random.default_rng(9)
     calls = []
-    real = vnni.gpu_pointwise
-    monkeypatch.setattr(vnni, "gpu_pointwise", lambda *a: calls.append(1) or real(*a))
+    real = intgemm.gpu_pointwise
+    monkeypatch.setattr(intgemm, "gpu_pointwise", lambda *a: calls.append(1) or real(*a))
     cases = [(64, 48, 1, (1, 1), (0, 0, 0, 0), 50_000), (300, 12, 1, (1, 1), (0, 0, 0, 0), 50_000),
              (24, 96, 1, (1, 1), (0, 0, 0, 0), 2 ** 26), (40, 64, 3, (2, 1), (1, 0, 2, 1), 50_000)]
     for c, o, k, st, pads, bias_max in cases:
@@ -134,7 +185,7 @@ def test_gpu_convolutions_on_the_tiles_equal_the_other_paths(monkeypatch):
             np.float32(0.05 if bias_max < 2 ** 20 else 400.0)))
         got = g.gpu_conv2d(x, w, bias, **kw)
         with monkeypatch.context() as m:
-            m.setenv("MACEQ_NO_VNNI", "1")
+            m.setenv("MACEQ_NO_INTGEMM", "1")
             assert np.array_equal(got, g.gpu_conv2d(x, w, bias, **kw))
         want = g.gpu_conv2d_ref(x[:1, :3], w, bias, **kw) if k == 1 else g.gpu_conv2d_ref(x, w, bias, **kw)
         assert np.array_equal(got[:1, :3] if k == 1 else got, want)
@@ -152,7 +203,8 @@ def test_gpu_convolutions_on_the_tiles_equal_the_other_paths(monkeypatch):
 @pytest.mark.parametrize("case", [((1, 1), 300, 16, (1, 1), (0, 0), (6, 6)), ((3, 3), 40, 64, (2, 1), (1, 1), (3, 8)),
                                   ((1, 1), 33_100, 3, (1, 1), (0, 0), (1, 1))], ids=["1x1", "3x3", "wraps"])
 def test_dsp_sums_on_the_tiles_equal_int64_sums(case, monkeypatch):
-    # nnlib's convolution sums (in_offset at the taps outside x), wrapped to int32 where they can leave it
+    # nnlib's convolution sums (in_offset at the taps outside x), wrapped to int32 where they can leave it; the
+    # AVX2 tiles hold K <= 33,025, so there the sums that wrap (K = 33,100) take the float32-GEMM path
     from maceq.runtime.kernels import dsp
 
     (kh, kw), c, o, strides, before, out_hw = case
@@ -164,28 +216,29 @@ def test_dsp_sums_on_the_tiles_equal_int64_sums(case, monkeypatch):
     if c > 1000:
         x[:], w[:] = 255, 255  # every product at its largest: the sum passes 2^31
     calls = []
-    real = vnni.pointwise_sums
-    monkeypatch.setattr(vnni, "pointwise_sums", lambda *a: calls.append(1) or real(*a))
+    real = intgemm.pointwise_sums
+    monkeypatch.setattr(intgemm, "pointwise_sums", lambda *a: calls.append(1) or real(*a))
     got = dsp._conv_sums(x, w, io, wo, strides, before, out_hw)
     want = np.zeros((1, *out_hw, o), dtype=np.int64)
     for oy, ox, i, j in np.ndindex(*out_hw, kh, kw):
         iy, ix = oy * strides[0] + i - before[0], ox * strides[1] + j - before[1]
         if 0 <= iy < hw and 0 <= ix < hw:
             want[0, oy, ox] += (x[0, iy, ix].astype(np.int64) - io) @ (w[i, j].astype(np.int64) - wo)
-    assert calls == [1] and np.array_equal(got, dsp._wrap32(want))
+    assert calls == ([1] if kh * kw * c <= intgemm.MAX_TERMS[intgemm.isa()] else [])
+    assert np.array_equal(got, dsp._wrap32(want))
     assert (c > 1000) == bool(np.any(want != dsp._wrap32(want)))
 
 
 def test_the_tiles_need_numba_to_compile_for_this_cpu(monkeypatch):
-    # a portable numba target (NUMBA_CPU_NAME=generic) has no VNNI: the float32 paths run instead
+    # a portable numba target (NUMBA_CPU_NAME=generic) has neither instruction set: the float32 paths run instead
     from numba.core import config
 
     monkeypatch.setattr(config, "CPU_NAME", "generic")
-    assert not vnni.available()
+    assert not intgemm.available()
     monkeypatch.setattr(config, "CPU_NAME", None)
     monkeypatch.setattr(config, "CPU_FEATURES", "+avx2")
-    assert not vnni.available()
+    assert not intgemm.available()
     monkeypatch.setattr(config, "CPU_FEATURES", None)
-    assert vnni.available()
-    monkeypatch.setenv("MACEQ_NO_VNNI", "1")
-    assert not vnni.available()
+    assert intgemm.available()
+    monkeypatch.setenv("MACEQ_NO_INTGEMM", "1")
+    assert not intgemm.available()

@@ -1,0 +1,405 @@
+"""Exact integer GEMMs on x86 SIMD: uint8 activations times a convolution's offset filter, int32 sums per tile.
+
+The offset filter is w' = w - w_zp (|w'| <= 255); for codes x (zero point zx) of one output pixel the tiles give
+``G = sum (x - zx) * w'`` exactly, in int64, in one of two forms, the better one the CPU has (``isa``):
+
+**AVX-512 VNNI.** ``vpdpbusd`` adds to each of 16 int32 lanes the four products of unsigned bytes of one operand
+and signed bytes of the other, without saturation: every sum of K products of |u| <= 255 and |s| <= 128 is exact
+while K * 255 * 128 < 2^31 (K < 65,793). One instruction does 64 multiply-adds, four times a float32 FMA's 16, and
+the activations need no conversion. Each channel's w' (its values within 255 of each other) is stored as int8
+s = w' + t, with t = -128 - min(w'); then ``G = sum x * s - t * sum x - zx * sum w'``: ``P = sum x * s`` comes from
+the tiles, ``sum x`` per row and ``sum w'`` per channel are integer sums. Layout: s as [K/4, N16, 4] bytes (N16: N
+rounded up to 16; the padding columns are 0), so that one 64-byte load is four consecutive k of 16 channels; K a
+multiple of 4. A tile is 4 rows of x (``lda`` bytes apart) times 16 * nv channels (nv = 1..4).
+
+**AVX2.** ``vpmaddwd`` multiplies pairs of int16 and adds each pair into an int32 lane: 16 multiply-adds per
+256-bit instruction, twice a float32 FMA's 8. The activations are centered and converted per 4 rows (x - zx, an
+int16 in [-255, 255]; K padded to even with a zero), w' is stored as int16 pairs [K/2, N16, 2], and each tile's sum
+is G itself, exact while K * 255 * 255 < 2^31 (K <= 33,025). A tile is 4 rows times 16 channels (two 256-bit
+vectors).
+
+In both, a tile's sums stay in registers over all of K and are stored once; the tiles are LLVM IR written through a
+numba intrinsic (``llvm.x86.avx512.vpdpbusd.512``, ``llvm.x86.avx2.pmadd.wd``), so they exist only where the CPU
+has the instructions and numba compiles for it (``isa``). Equal to int64 sums: tests/test_intgemm.py.
+
+Users: the cpu's 1x1 convolutions (``pointwise_conv``, with its float64 requantization), the gpu's convolutions
+and FullyConnected on im2col rows (``gpu_pointwise``, with its float32 requantization) and nnlib's convolution
+sums (``pointwise_sums``); each falls back to its float32-GEMM path where the tiles do not apply.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import os
+
+import numpy as np
+
+from maceq.runtime.kernels import jit
+from maceq.runtime.kernels.derived import derived
+
+try:
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.extending import intrinsic, overload
+except ImportError:  # pragma: no cover - exercised only without numba
+    intrinsic = None
+
+__all__ = ["Isa", "isa", "available", "supported", "PackedFilter", "pack_filter", "packed", "pointwise_sums",
+           "pointwise_conv", "gpu_pointwise"]
+
+ROWS = 4  # rows of x per tile
+
+
+class Isa(enum.Enum):
+    """The instruction set a packed filter's tiles run on."""
+
+    VNNI = "avx512-vnni"
+    AVX2 = "avx2"
+
+
+#: The longest reduction whose int32 lane sums stay exact: K * 255 * 128 < 2^31 (VNNI), K * 255 * 255 < 2^31 (AVX2).
+MAX_TERMS = {Isa.VNNI: 65_792, Isa.AVX2: 33_025}
+
+
+@functools.lru_cache(maxsize=1)
+def _host_features() -> dict:
+    try:
+        import llvmlite.binding as ll
+
+        return dict(ll.get_host_cpu_features())
+    except Exception:  # pragma: no cover - no llvmlite, or a host it cannot describe
+        return {}
+
+
+def _numba_targets_host() -> bool:
+    """numba compiles for this CPU (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES unset): a portable target such as
+    ``generic`` has neither instruction set, and LLVM cannot lower the tiles' instructions for it."""
+    from numba.core import config
+
+    return config.CPU_NAME in (None, "host") and not config.CPU_FEATURES
+
+
+def supported() -> tuple[Isa, ...]:
+    """The instruction sets whose tiles can run here, the better first: the compiled loops are on, numba compiles
+    for this CPU, the CPU has them, and ``MACEQ_NO_INTGEMM`` is unset."""
+    if (os.environ.get("MACEQ_NO_INTGEMM", "") not in ("", "0") or intrinsic is None or not jit.available()
+            or not _numba_targets_host()):
+        return ()
+    f = _host_features()
+    return tuple(i for i, ok in ((Isa.VNNI, f.get("avx512f") and f.get("avx512vnni")), (Isa.AVX2, f.get("avx2")))
+                 if ok)
+
+
+def isa() -> Isa | None:
+    """The instruction set the tiles use here (the first of ``supported``), or None: the float32-GEMM paths run."""
+    have = supported()
+    return have[0] if have else None
+
+
+def available() -> bool:
+    """True when the tiles can run here (``isa`` is not None)."""
+    return isa() is not None
+
+
+class PackedFilter:
+    """An offset filter w' [O, K] in the tiles' form for ``isa``: ``data`` (VNNI: int8 [K/4, n16, 4]; AVX2: int16
+    [K'/2, n16, 2], K' = K rounded up to even; flattened), ``n16``, and per channel ``shift`` (t; 0 for AVX2) and
+    ``sums`` (sum w'), both int64."""
+
+    def __init__(self, wo: np.ndarray, isa: Isa):
+        wo = np.asarray(wo, dtype=np.int64)
+        o, k = wo.shape
+        limit = MAX_TERMS[isa]
+        if isa is Isa.VNNI and (k < 4 or k % 4 or k > limit):  # a tile runs at least one step of 4
+            raise ValueError(f"PackedFilter: K={k} must be a positive multiple of 4 up to {limit}")
+        if not 1 <= k <= limit:
+            raise ValueError(f"PackedFilter: K={k} must be between 1 and {limit}")
+        self.k, self.o, self.isa = k, o, isa
+        self.n16 = -(-o // 16) * 16
+        self.sums = wo.sum(axis=1)
+        if isa is Isa.AVX2:
+            if o and int(np.abs(wo).max()) > 255:
+                raise ValueError("PackedFilter: the values must lie in [-255, 255]")
+            self.shift = np.zeros(o, np.int64)
+            kp = k + k % 2
+            s = np.zeros((kp, self.n16), np.int16)
+            s[:k, :o] = wo.T
+            self.data = np.ascontiguousarray(s.reshape(kp // 2, 2, self.n16).transpose(0, 2, 1)).reshape(-1)
+            return
+        lo = wo.min(axis=1)
+        if o and int((wo.max(axis=1) - lo).max()) > 255:
+            raise ValueError("PackedFilter: each channel's values must lie within 255 of each other")
+        self.shift = -128 - lo
+        s = np.zeros((k // 4, self.n16, 4), np.int8)
+        s[:, :o, :] = (wo + self.shift[:, None]).T.reshape(k // 4, 4, o).transpose(0, 2, 1)
+        self.data = s.reshape(-1)
+
+
+#: Below this many filter entries (K * O) a tile's fixed costs (its stores, the row sums or conversions, the
+#: corrections per output) outweigh its multiply-adds. VNNI, on MobileNetV2's 1x1 layers: K=32, O=16 and K=16,
+#: O=96 ran 15-20% slower than the float32 GEMM path, K=96, O=24 as fast, K=24, O=144 and larger 1.4-3x faster.
+MIN_ENTRIES = {Isa.VNNI: 2048, Isa.AVX2: 2048}
+
+
+def pack_filter(wo: np.ndarray, isa: Isa) -> PackedFilter | None:
+    """The form of the offset filter ``wo`` [O, K] for ``isa``, or None where the tiles do not pay (fewer than
+    MIN_ENTRIES entries) or do not apply (K too long or, for VNNI, not a multiple of 4; values out of range)."""
+    wo = np.asarray(wo)
+    if wo.size < MIN_ENTRIES[isa]:
+        return None
+    try:
+        return PackedFilter(wo, isa)
+    except ValueError:
+        return None
+
+
+def packed(src: np.ndarray, key, offset_filter) -> PackedFilter | None:
+    """The packed form of ``offset_filter(src)`` (an offset filter [O, K]) for this CPU's ``isa``, made once per
+    live array ``src``, ``key`` and instruction set (runtime/kernels/derived.py); None where the tiles do not run
+    or do not apply."""
+    use = isa()
+    if use is None:
+        return None
+    return derived(src, ("intgemm", use, key), lambda v: (pack_filter(offset_filter(v), use),))[0]
+
+
+if intrinsic is not None:
+    def _make_tile(kind: Isa, nv: int):
+        """The intrinsic ``tile(a, a_off, lda, b, b_off, b_stride, c, c_off, ldc, steps)``: int32 c[r, 16v + j] for
+        r < 4, v < nv = the sum over ``steps`` steps of a's row r times b's channel (VNNI: uint8 a, int8 b, 4 k a
+        step; AVX2: int16 a and b, 2 k a step); offsets and strides are in elements."""
+        a_dtype, b_dtype = (types.uint8, types.int8) if kind is Isa.VNNI else (types.int16, types.int16)
+
+        @intrinsic
+        def tile(typingctx, a, a_off, lda, b, b_off, b_stride, c, c_off, ldc, steps):
+            if not (isinstance(a, types.Array) and a.dtype == a_dtype and isinstance(b, types.Array)
+                    and b.dtype == b_dtype and isinstance(c, types.Array) and c.dtype == types.int32):
+                return None
+            sig = types.void(a, a_off, lda, b, b_off, b_stride, c, c_off, ldc, steps)
+
+            def codegen(context, builder, signature, args):
+                return _tile_ir(context, builder, signature, args, kind, nv)
+
+            return sig, codegen
+
+        return tile
+
+    def _dot(builder, kind: Isa):
+        """``dot(acc, a, b)``: acc plus the step's products, one instruction (VNNI) or two (AVX2)."""
+        i32 = ir.IntType(32)
+        if kind is Isa.VNNI:
+            v16 = ir.VectorType(i32, 16)
+            fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16] * 3))
+            return lambda acc, a, b: builder.call(fn, [acc, a, b])
+        v8, v16s = ir.VectorType(i32, 8), ir.VectorType(ir.IntType(16), 16)
+        fn = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", fnty=ir.FunctionType(v8, [v16s, v16s]))
+        return lambda acc, a, b: builder.add(acc, builder.call(fn, [builder.bitcast(v, v16s) for v in (a, b)]))
+
+    def _tile_ir(context, builder, signature, args, kind, nv):
+        """The tile's loop over its steps: 4*nv accumulators (phi nodes), nv filter loads and 4 broadcast
+        activation words (4 bytes of k, or 2 int16) per step, 4*nv dot steps; the accumulators stored once."""
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        lanes, width = (16, 8) if kind is Isa.VNNI else (8, 16)  # int32 lanes per vector, bits per element
+        vec, ep = ir.VectorType(i32, lanes), ir.IntType(width).as_pointer()
+        per_step = 32 // width  # elements of a (and of b per channel) in one step
+        a_arr, a_off, lda, b_arr, b_off, b_stride, c_arr, c_off, ldc, steps = (
+            context.cast(builder, v, t, types.int64) if isinstance(t, types.Integer) else v
+            for v, t in zip(args, signature.args))
+
+        def base(i, v, ptr):
+            return builder.bitcast(context.make_array(signature.args[i])(context, builder, v).data, ptr)
+
+        pa, pb = builder.gep(base(0, a_arr, ep), [a_off]), builder.gep(base(3, b_arr, ep), [b_off])
+        pc = builder.gep(base(6, c_arr, i32.as_pointer()), [c_off])
+        dot = _dot(builder, kind)
+        entry = builder.basic_block
+        loop, done = builder.append_basic_block("tile_loop"), builder.append_basic_block("tile_done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        k.add_incoming(ir.Constant(i64, 0), entry)
+        accs = [builder.phi(vec) for _ in range(ROWS * nv)]
+        for acc in accs:
+            acc.add_incoming(ir.Constant(vec, None), entry)
+        step = builder.mul(k, b_stride)
+        panel = lanes * per_step  # elements of b per vector in one step
+        bvec = [builder.load(builder.bitcast(builder.gep(pb, [builder.add(step, ir.Constant(i64, panel * v))]),
+                                             vec.as_pointer()), align=1) for v in range(nv)]
+        new = []
+        for r in range(ROWS):
+            row = builder.add(builder.mul(ir.Constant(i64, r), lda), builder.mul(k, ir.Constant(i64, per_step)))
+            word = builder.load(builder.bitcast(builder.gep(pa, [row]), i32.as_pointer()), align=1)
+            av = builder.insert_element(ir.Constant(vec, ir.Undefined), word, ir.Constant(i32, 0))
+            av = builder.shuffle_vector(av, ir.Constant(vec, ir.Undefined), ir.Constant(vec, None))
+            new += [dot(accs[r * nv + v], av, bvec[v]) for v in range(nv)]
+        k_next = builder.add(k, ir.Constant(i64, 1))
+        for acc, value in zip(accs, new):
+            acc.add_incoming(value, loop)
+        k.add_incoming(k_next, loop)
+        builder.cbranch(builder.icmp_signed("<", k_next, steps), loop, done)
+        builder.position_at_end(done)
+        for r in range(ROWS):
+            for v in range(nv):
+                p = builder.gep(pc, [builder.add(builder.mul(ir.Constant(i64, r), ldc), ir.Constant(i64, lanes * v))])
+                builder.store(new[r * nv + v], builder.bitcast(p, vec.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    _tile1, _tile2, _tile3, _tile4 = (_make_tile(Isa.VNNI, nv) for nv in (1, 2, 3, 4))
+    _tile16 = _make_tile(Isa.AVX2, 2)  # 16 channels: two 256-bit vectors, 8 accumulators
+
+    _jit = njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+    _pjit = njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", parallel=True)
+
+    @_jit
+    def _tiles(a, a_off, lda, b, n16, c, k4):
+        """c[:4, :n16] = the 4 rows of a at a_off (lda apart) times the packed filter b, panel by panel."""
+        b_stride = np.int64(n16 * 4)
+        n0 = 0
+        while n16 - n0 >= 64:
+            _tile4(a, a_off, lda, b, np.int64(n0 * 4), b_stride, c, np.int64(n0), np.int64(n16), k4)
+            n0 += 64
+        rest = (n16 - n0) // 16
+        if rest == 3:
+            _tile3(a, a_off, lda, b, np.int64(n0 * 4), b_stride, c, np.int64(n0), np.int64(n16), k4)
+        elif rest == 2:
+            _tile2(a, a_off, lda, b, np.int64(n0 * 4), b_stride, c, np.int64(n0), np.int64(n16), k4)
+        elif rest == 1:
+            _tile1(a, a_off, lda, b, np.int64(n0 * 4), b_stride, c, np.int64(n0), np.int64(n16), k4)
+
+    @_jit
+    def _block_sums8(x, r0, m, zx, b, n16, shift, wsums, g):
+        """VNNI: g[:m, :O] (int64) = G for the m rows of x from r0: per 4 rows the tile's P (the last rows with zero
+        rows below them), less shift * sum(x) and zx * sum(w')."""
+        k = x.shape[1]
+        k4 = np.int64(k // 4)
+        xf = x.reshape(-1)
+        p = np.empty((ROWS, n16), np.int32)
+        pad = np.zeros((ROWS, k), np.uint8)
+        o = g.shape[1]
+        corr = np.empty(o, np.int64)
+        for c in range(o):
+            corr[c] = zx * wsums[c]
+        for q in range(0, m, ROWS):
+            rows = min(ROWS, m - q)
+            if rows == ROWS:
+                _tiles(xf, np.int64((r0 + q) * k), np.int64(k), b, n16, p.reshape(-1), k4)
+            else:
+                pad[:rows] = x[r0 + q:r0 + q + rows]
+                _tiles(pad.reshape(-1), np.int64(0), np.int64(k), b, n16, p.reshape(-1), k4)
+            for i in range(rows):
+                xr = x[r0 + q + i]
+                rs = np.int32(0)
+                for j in range(k):  # at most 65,792 * 255 < 2^31
+                    rs += np.int32(xr[j])
+                gr, pr, r64 = g[q + i], p[i], np.int64(rs)
+                for c in range(o):
+                    gr[c] = np.int64(pr[c]) - shift[c] * r64 - corr[c]
+
+    @_jit
+    def _block_sums16(x, r0, m, zx, b, n16, g):
+        """AVX2: g[:m, :O] (int64) = G for the m rows of x from r0: per 4 rows x - zx as int16 (K padded to even with
+        a zero), then the tiles of 16 channels; their int32 sums are G."""
+        k = x.shape[1]
+        kp = k + k % 2
+        a = np.zeros((ROWS, kp), np.int16)  # the padding column stays 0; rows past m keep older values (unused)
+        p = np.empty((ROWS, n16), np.int32)
+        af, pf = a.reshape(-1), p.reshape(-1)
+        o = g.shape[1]
+        lda, b_stride, steps, z = np.int64(kp), np.int64(n16 * 2), np.int64(kp // 2), np.int16(zx)
+        for q in range(0, m, ROWS):
+            rows = min(ROWS, m - q)
+            for i in range(rows):
+                xr, ar = x[r0 + q + i], a[i]
+                for j in range(k):
+                    ar[j] = np.int16(xr[j]) - z  # in [-255, 255]
+            for n0 in range(0, n16, 16):
+                _tile16(af, np.int64(0), lda, b, np.int64(n0 * 2), b_stride, pf, np.int64(n0), np.int64(n16), steps)
+            for i in range(rows):
+                gr, pr = g[q + i], p[i]
+                for c in range(o):
+                    gr[c] = pr[c]
+
+    def _block_sums(x, r0, m, zx, b, n16, shift, wsums, g):
+        """G for the m rows of x from r0 into g (int64) on the tiles of the packed filter ``b``'s instruction set
+        (int8: VNNI, int16: AVX2); compiled code only (the overload below picks by b's type, so that only the
+        tiles of the filter's instruction set are ever compiled)."""
+        raise NotImplementedError("compiled code only")
+
+    @overload(_block_sums, jit_options=dict(nogil=True, boundscheck=False, error_model="numpy"))
+    def _block_sums_typed(x, r0, m, zx, b, n16, shift, wsums, g):
+        if b.dtype == types.int8:
+            return lambda x, r0, m, zx, b, n16, shift, wsums, g: _block_sums8(x, r0, m, zx, b, n16, shift, wsums, g)
+        if b.dtype == types.int16:
+            return lambda x, r0, m, zx, b, n16, shift, wsums, g: _block_sums16(x, r0, m, zx, b, n16, g)
+        return None
+
+    @_pjit
+    def _pointwise_sums(x, zx, b, n16, shift, wsums, block, out):
+        for t in prange((x.shape[0] + block - 1) // block):
+            r0 = t * block
+            _block_sums(x, r0, min(block, x.shape[0] - r0), zx, b, n16, shift, wsums, out[r0:])
+
+    @_pjit
+    def _pointwise(x, zx, b, n16, shift, wsums, block, scale, offset, y_theta, step, lo, hi, mode, out):
+        """Per block of rows (a multiple of 4, its int64 G in cache) on numba's threads: G by the tiles, then its
+        requantization (jit._requant_rows)."""
+        for t in prange((x.shape[0] + block - 1) // block):
+            r0 = t * block
+            m = min(block, x.shape[0] - r0)
+            g = np.empty((m, out.shape[1]), np.int64)
+            _block_sums(x, r0, m, zx, b, n16, shift, wsums, g)
+            jit._requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out[r0:r0 + m])
+
+
+if intrinsic is not None:
+    @_pjit
+    def _gpu_pointwise(x, zx, b, n16, shift, wsums, block, bias, scale, zp, out):
+        """The gpu's codes per block of rows: G by the tiles, then sat_rte(f32(f32(G + bias) * scale) + zp), where
+        f32(G + bias) rounds the exact int64 sum to nearest even as float_rte rounds the (unwrapped) int32."""
+        zero = np.float32(0)
+        for t in prange((x.shape[0] + block - 1) // block):
+            r0 = t * block
+            m = min(block, x.shape[0] - r0)
+            g = np.empty((m, out.shape[1]), np.int64)
+            _block_sums(x, r0, m, zx, b, n16, shift, wsums, g)
+            for i in range(m):
+                gr, dst = g[i], out[r0 + i]
+                for c in range(out.shape[1]):
+                    dst[c] = jit._gpu_code(np.float32(gr[c] + bias[c]), zero, scale[c], zp)
+
+
+def _rows_per_block(rows: int, o: int) -> int:
+    """Rows per block, a multiple of 4: the block's int64 G within 256 KiB, and the blocks a multiple of the
+    threads in number, near equal in size (a thread with one block more than the others makes the rest wait)."""
+    threads = max(1, jit._num_threads())
+    fit = max(ROWS, (1 << 18) // (8 * max(o, 1)))
+    blocks = threads * -(-rows // (threads * fit))
+    return max(ROWS, -(-(-(-rows // blocks)) // ROWS) * ROWS)
+
+
+def pointwise_sums(x: np.ndarray, x_zp: int, f: PackedFilter) -> np.ndarray:
+    """int64 [rows, O]: G = sum (x - x_zp) * w' for uint8 x [rows, K] (C-contiguous) and the packed filter."""
+    x = np.ascontiguousarray(x)
+    out = np.empty((x.shape[0], f.o), np.int64)
+    _pointwise_sums(x, np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums, _rows_per_block(x.shape[0], f.o),
+                    out)
+    return out
+
+
+def pointwise_conv(x: np.ndarray, x_zp: int, f: PackedFilter, rq, out: np.ndarray) -> None:
+    """1x1 stride-1 convolution of uint8 x [rows, K] with the packed filter, requantized by ``rq`` (conv.py's
+    _ExactRequant, affine from G) into out [rows, O]: per block of rows, G by the tiles and the same float64
+    requantization as jit.pointwise_conv's."""
+    _pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
+               _rows_per_block(x.shape[0], f.o), rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo),
+               float(rq.hi), jit._mode(affine=True, correct=rq.correct, lo=rq.lo), out)
+
+
+def gpu_pointwise(x: np.ndarray, x_zp: int, f: PackedFilter, bias: np.ndarray, scale: np.ndarray, zp) -> np.ndarray:
+    """The gpu convolution's codes [rows, O] of uint8 x [rows, K] (im2col rows past 1x1) with the packed int8
+    filter, int bias [O] (every |G + bias| below 2^31: runtime/kernels/gpu.py ``sum_path`` is not "wrap") and float32
+    scale [O]."""
+    out = np.empty((x.shape[0], f.o), np.uint8)
+    _gpu_pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
+                   _rows_per_block(x.shape[0], f.o), np.asarray(bias, dtype=np.int64), scale, np.float32(zp), out)
+    return out
