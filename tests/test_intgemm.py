@@ -111,22 +111,29 @@ def test_pack_filter_refuses_what_the_tiles_cannot_do():
     wide[5, :2] = (-200, 100)  # one channel spanning 300: no int8 form, but int16 holds it
     assert intgemm.pack_filter(wide, Isa.VNNI) is None
     assert intgemm.pack_filter(wide, Isa.AVX2) is not None
-    for isa in Isa:  # 1,536 entries: the float32 GEMM path is faster
-        assert intgemm.pack_filter(_filter(rng, 16, 96), isa) is None
+    # 1,536 entries: on VNNI the float32 GEMM path is faster; the AVX2 tiles take every size
+    assert intgemm.pack_filter(_filter(rng, 16, 96), Isa.VNNI) is None
+    assert intgemm.pack_filter(_filter(rng, 16, 96), Isa.AVX2) is not None
 
 
-def _plan_case(rng, c, o):
-    w = rng.integers(0, 256, (o, 1, 1, c), dtype=np.uint8)
+def _plan_case(rng, c, o, k=1):
+    w = rng.integers(0, 256, (o, k, k, c), dtype=np.uint8)
     # zero points near the codes' middle, so that the sums (and the codes) spread around the output zero point
     kw = dict(x_zp=int(rng.integers(108, 149)), w_zp=int(rng.integers(108, 149)), out_zp=int(rng.integers(0, 256)),
               multiplier=rng.integers(1 << 30, (1 << 31) - 1, o), shift=rng.integers(-12, -6, o))
     return w, rng.integers(-5000, 5000, o).astype(np.int32), kw
 
 
-@pytest.mark.parametrize("c, o", [(64, 48), (96, 24), (160, 960), (384, 64)])
-def test_conv_plan_takes_the_tiles_and_equals_the_other_paths(c, o, monkeypatch):
+@pytest.mark.parametrize("c, o, k, strides, pads", [
+    (64, 48, 1, (1, 1), (0, 0, 0, 0)), (96, 24, 1, (1, 1), (0, 0, 0, 0)), (160, 960, 1, (1, 1), (0, 0, 0, 0)),
+    (384, 64, 1, (1, 1), (0, 0, 0, 0)), (4, 64, 3, (2, 2), (1, 1, 1, 1)), (3, 32, 3, (2, 2), (0, 1, 0, 1))],
+    ids=["1x1-48", "1x1-24", "1x1-960", "1x1-64", "3x3s2-k36", "3x3s2-rgb"])
+def test_conv_plan_takes_the_tiles_and_equals_the_other_paths(c, o, k, strides, pads, monkeypatch):
+    # 1x1 on the rows of x, larger windows on im2col rows (x_zp at the taps outside x); a first RGB convolution
+    # (K = 27) takes the AVX2 tiles, not the VNNI ones (K not a multiple of 4)
     rng = np.random.default_rng(c + o)
-    w, bias, kw = _plan_case(rng, c, o)
+    w, bias, kw = _plan_case(rng, c, o, k)
+    kw.update(strides=strides, pads=pads)
     x = rng.integers(0, 256, (2, 5, 7, c), dtype=np.uint8)
     x[0, 0, 0] = 255
     plan = k_conv.conv2d_plan(w, bias, **kw)
@@ -134,12 +141,13 @@ def test_conv_plan_takes_the_tiles_and_equals_the_other_paths(c, o, monkeypatch)
     real = intgemm.pointwise_conv
     monkeypatch.setattr(intgemm, "pointwise_conv", lambda *a: calls.append(1) or real(*a))
     got = plan(x)
-    assert calls == [1]  # the tiles ran
+    tiled = [1] if intgemm.isa() is Isa.AVX2 or k * k * c % 4 == 0 else []
+    assert calls == tiled  # the tiles ran
     monkeypatch.setenv("MACEQ_NO_INTGEMM", "1")
     sgemm = plan(x)
     monkeypatch.setenv("MACEQ_NO_JIT", "1")
     numpy_path = plan(x)
-    assert calls == [1]
+    assert calls == tiled
     want = k_conv.conv2d_ref(x, w, bias, **kw)
     assert np.array_equal(got, want) and np.array_equal(sgemm, want) and np.array_equal(numpy_path, want)
     assert 0 < np.count_nonzero((want > 0) & (want < 255))  # codes inside the range
@@ -242,3 +250,30 @@ def test_the_tiles_need_numba_to_compile_for_this_cpu(monkeypatch):
     assert intgemm.available()
     monkeypatch.setenv("MACEQ_NO_INTGEMM", "1")
     assert not intgemm.available()
+
+
+def test_the_tiles_hold_blas_to_one_thread_for_the_rest_of_the_run():
+    # numba's threads run the tiles from here on: a later numpy GEMM of the run must not start BLAS's spinning
+    # threads beside them (runtime/threads.py blas_held)
+    from threadpoolctl import ThreadpoolController
+
+    from maceq.runtime import threads
+    from maceq.runtime.kernels import blas
+
+    path = blas.gemm().path
+
+    def blas_threads() -> int:
+        return next(i["num_threads"] for i in ThreadpoolController().info() if i["filepath"] == path)
+
+    before = blas_threads()
+    if before == 1:
+        pytest.skip("numpy's BLAS runs one thread here already")
+    rng = np.random.default_rng(4)
+    wo = _filter(rng, 64, 96)
+    x = rng.integers(0, 256, (9, 96), dtype=np.uint8)
+    with threads.section(2):
+        assert blas_threads() == before
+        assert np.array_equal(intgemm.pointwise_sums(x, 3, intgemm.PackedFilter(wo, intgemm.isa())),
+                              (x.astype(np.int64) - 3) @ wo.T)
+        assert blas_threads() == 1
+    assert blas_threads() == before

@@ -895,12 +895,16 @@ class Conv2dPlan:
         if kind is None:
             return _conv2d_generic(x, self.w, self.bias, **self.kwargs)
         pointwise = g.kh == g.kw == g.sh == g.sw == 1 and not (g.top or g.left or g.bottom or g.right)
-        f = intgemm.packed(self.wo, 0, lambda v: v) if kind == "g" and self.group == 1 and pointwise \
-            and x.dtype == np.uint8 else None
+        f = intgemm.packed(self.wo, 0, lambda v: v) if kind == "g" and self.group == 1 and x.dtype == np.uint8 \
+            else None
         if f is not None:
-            # G exact in integers on the AVX-512 VNNI or AVX2 tiles, then the same requantization (intgemm.py)
+            # G exact in integers on the AVX-512 VNNI or AVX2 tiles (im2col rows past 1x1, x_zp where a tap lies
+            # outside x), then the same requantization (runtime/kernels/intgemm.py)
+            rows = x.reshape(-1, g.c) if pointwise else im2col_rows(
+                x, self.x_zp, kernel=(g.kh, g.kw), strides=(g.sh, g.sw), dilations=(g.dh, g.dw),
+                before=(g.top, g.left), out_hw=(g.oh, g.ow))
             out = np.empty((g.n, g.oh, g.ow, self.w.shape[0]), self.out_dtype)
-            intgemm.pointwise_conv(x.reshape(-1, g.c), self.x_zp, f, self.rq, out.reshape(-1, out.shape[3]))
+            intgemm.pointwise_conv(rows, self.x_zp, f, self.rq, out.reshape(-1, out.shape[3]))
             return out
         if kind == "g" and self.group == 1 and jit.gemm_available():
             # whole in compiled code, blocks of rows on numba's threads (runtime/kernels/jit.py)

@@ -34,6 +34,7 @@ import os
 
 import numpy as np
 
+from maceq.runtime import threads
 from maceq.runtime.kernels import jit
 from maceq.runtime.kernels.derived import derived
 
@@ -136,9 +137,12 @@ class PackedFilter:
 
 
 #: Below this many filter entries (K * O) a tile's fixed costs (its stores, the row sums or conversions, the
-#: corrections per output) outweigh its multiply-adds. VNNI, on MobileNetV2's 1x1 layers: K=32, O=16 and K=16,
-#: O=96 ran 15-20% slower than the float32 GEMM path, K=96, O=24 as fast, K=24, O=144 and larger 1.4-3x faster.
-MIN_ENTRIES = {Isa.VNNI: 2048, Isa.AVX2: 2048}
+#: corrections per output) outweigh its multiply-adds. VNNI (Xeon, Sapphire Rapids), on MobileNetV2's 1x1 layers:
+#: K=32, O=16 and K=16, O=96 ran 15-20% slower than the float32 GEMM path, K=96, O=24 as fast, K=24, O=144 and
+#: larger 1.4-3x faster. AVX2 (EPYC, Zen 3): MobileNetV2's smallest filters ran as fast or faster on the tiles
+#: (fastest of 27 runs, three processes each: K=27, O=32 0.79-0.88 ms against 0.97-1.09; K=32, O=16 0.22-0.25 ms
+#: against 0.29-0.34; K=16, O=96 0.58-0.64 ms against 0.61-0.72).
+MIN_ENTRIES = {Isa.VNNI: 2048, Isa.AVX2: 0}
 
 
 def pack_filter(wo: np.ndarray, isa: Isa) -> PackedFilter | None:
@@ -381,8 +385,9 @@ def pointwise_sums(x: np.ndarray, x_zp: int, f: PackedFilter) -> np.ndarray:
     """int64 [rows, O]: G = sum (x - x_zp) * w' for uint8 x [rows, K] (C-contiguous) and the packed filter."""
     x = np.ascontiguousarray(x)
     out = np.empty((x.shape[0], f.o), np.int64)
-    _pointwise_sums(x, np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums, _rows_per_block(x.shape[0], f.o),
-                    out)
+    with threads.blas_held():  # numba's threads from here to the run's end: BLAS's must not spin beside them
+        _pointwise_sums(x, np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
+                        _rows_per_block(x.shape[0], f.o), out)
     return out
 
 
@@ -390,9 +395,10 @@ def pointwise_conv(x: np.ndarray, x_zp: int, f: PackedFilter, rq, out: np.ndarra
     """1x1 stride-1 convolution of uint8 x [rows, K] with the packed filter, requantized by ``rq`` (conv.py's
     _ExactRequant, affine from G) into out [rows, O]: per block of rows, G by the tiles and the same float64
     requantization as jit.pointwise_conv's."""
-    _pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
-               _rows_per_block(x.shape[0], f.o), rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo),
-               float(rq.hi), jit._mode(affine=True, correct=rq.correct, lo=rq.lo), out)
+    with threads.blas_held():
+        _pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
+                   _rows_per_block(x.shape[0], f.o), rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo),
+                   float(rq.hi), jit._mode(affine=True, correct=rq.correct, lo=rq.lo), out)
 
 
 def gpu_pointwise(x: np.ndarray, x_zp: int, f: PackedFilter, bias: np.ndarray, scale: np.ndarray, zp) -> np.ndarray:
@@ -400,6 +406,8 @@ def gpu_pointwise(x: np.ndarray, x_zp: int, f: PackedFilter, bias: np.ndarray, s
     filter, int bias [O] (every |G + bias| below 2^31: runtime/kernels/gpu.py ``sum_path`` is not "wrap") and float32
     scale [O]."""
     out = np.empty((x.shape[0], f.o), np.uint8)
-    _gpu_pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
-                   _rows_per_block(x.shape[0], f.o), np.asarray(bias, dtype=np.int64), scale, np.float32(zp), out)
+    with threads.blas_held():
+        _gpu_pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
+                       _rows_per_block(x.shape[0], f.o), np.asarray(bias, dtype=np.int64), scale, np.float32(zp),
+                       out)
     return out
