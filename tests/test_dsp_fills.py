@@ -75,8 +75,8 @@ def test_d32_requant_compiled_equals_numpy_and_the_scalar_reference(monkeypatch)
     if not jit.available():
         pytest.skip("numba not available: the numpy path is the only one")
     rng = np.random.default_rng(7)
-    for shamt in (0, 1, 3, 7):
-        recip = int(rng.integers(1, 2 ** 31))
+    for shamt in (0, 1, 3, 7, 31):
+        recip = int(rng.integers(1, 2 ** 31)) if shamt < 31 else 2 ** 31 - 1  # the largest product: 2^31 * recip
         # sums inside int32, past it (the wrap), and where the shift wraps again
         s = np.concatenate([rng.integers(-(2 ** 31), 2 ** 31, 4991), rng.integers(-(2 ** 40), 2 ** 40, 5000),
                             np.array([0, 1, -1, 2 ** 31 - 1, -(2 ** 31), 2 ** 31, 2 ** 32 - 1, 2 ** 24, -(2 ** 24)])])
