@@ -256,7 +256,7 @@ if intrinsic is not None:
 
     @_jit
     def _tiles(a, a_off, lda, b, n16, c, k4):
-        """c[:4, :n16] = the 4 rows of a at a_off (lda apart) times the packed filter b, panel by panel."""
+        """VNNI: c[:4, :n16] = the 4 rows of a at a_off (lda apart) times the packed filter b, panel by panel."""
         b_stride = np.int64(n16 * 4)
         n0 = 0
         while n16 - n0 >= 64:
