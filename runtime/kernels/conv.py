@@ -890,21 +890,26 @@ class Conv2dPlan:
                 self._setups[key] = hit
         return (x,) + hit
 
+    def _on_tiles(self, x: np.ndarray, g: _Geometry, pointwise: bool) -> np.ndarray | None:
+        """G exact in integers on the AVX-512 VNNI or AVX2 tiles (im2col rows past 1x1, x_zp where a tap lies
+        outside x), then the same requantization (runtime/kernels/intgemm.py); None where the tiles do not run."""
+        f = intgemm.packed(self.wo, 0, lambda v: v)
+        if f is None:
+            return None
+        rows = x.reshape(-1, g.c) if pointwise else im2col_rows(
+            x, self.x_zp, kernel=(g.kh, g.kw), strides=(g.sh, g.sw), dilations=(g.dh, g.dw),
+            before=(g.top, g.left), out_hw=(g.oh, g.ow))
+        out = np.empty((g.n, g.oh, g.ow, self.w.shape[0]), self.out_dtype)
+        intgemm.pointwise_conv(rows, self.x_zp, f, self.rq, out.reshape(-1, out.shape[3]))
+        return out
+
     def __call__(self, x) -> np.ndarray:
         x, g, kind, mats, dt = self._setup(x)
         if kind is None:
             return _conv2d_generic(x, self.w, self.bias, **self.kwargs)
         pointwise = g.kh == g.kw == g.sh == g.sw == 1 and not (g.top or g.left or g.bottom or g.right)
-        f = intgemm.packed(self.wo, 0, lambda v: v) if kind == "g" and self.group == 1 and x.dtype == np.uint8 \
-            else None
-        if f is not None:
-            # G exact in integers on the AVX-512 VNNI or AVX2 tiles (im2col rows past 1x1, x_zp where a tap lies
-            # outside x), then the same requantization (runtime/kernels/intgemm.py)
-            rows = x.reshape(-1, g.c) if pointwise else im2col_rows(
-                x, self.x_zp, kernel=(g.kh, g.kw), strides=(g.sh, g.sw), dilations=(g.dh, g.dw),
-                before=(g.top, g.left), out_hw=(g.oh, g.ow))
-            out = np.empty((g.n, g.oh, g.ow, self.w.shape[0]), self.out_dtype)
-            intgemm.pointwise_conv(rows, self.x_zp, f, self.rq, out.reshape(-1, out.shape[3]))
+        out = self._on_tiles(x, g, pointwise) if kind == "g" and self.group == 1 and x.dtype == np.uint8 else None
+        if out is not None:
             return out
         if kind == "g" and self.group == 1 and jit.gemm_available():
             # whole in compiled code, blocks of rows on numba's threads (runtime/kernels/jit.py)
