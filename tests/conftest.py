@@ -34,9 +34,9 @@ def loops(request, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------
 # Test tiers. A test's own marker wins; otherwise its file's tier below, else "unit". Tests measured
-# above 1.5 s on a 2-core development machine (an Intel Xeon, then an AMD EPYC) are also "slow": `pytest -m "not slow"` is the fast
-# development tier; CI runs everything. Tests that need an outside program or package carry a needs_*
-# marker too.
+# above 1.5 s on a 2-core development machine (an Intel Xeon, then an AMD EPYC) are also "slow":
+# `pytest -m "not slow"` is the fast development tier; CI runs everything. Tests that need an outside
+# program or package carry a needs_* marker too.
 
 TIERS = ("unit", "oracle", "e2e")
 FILE_TIER = {
