@@ -247,7 +247,11 @@ def test_dw_junk_sums_compiled_equal_numpy(geometry, monkeypatch):
     x = rng.integers(0, 256, (2, 11, 11, 40), dtype=np.uint8)
     w = rng.integers(0, 256, (kh, kw, 40, 1), dtype=np.uint8)
     args = (x, w, int(rng.integers(0, 256)), strides, before, out_hw)
+    calls = []
+    real = jit.dsp_junk_sums
+    monkeypatch.setattr(jit, "dsp_junk_sums", lambda *a: calls.append(1) or real(*a))
     compiled = dsp._dw_junk_sums(*args)
+    assert calls == [1]  # the compiled pass ran (on the int32 index)
     monkeypatch.setenv("MACEQ_NO_JIT", "1")
     numpy_path = dsp._dw_junk_sums(*args)
     assert (compiled is None) == (numpy_path is None)

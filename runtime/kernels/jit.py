@@ -498,16 +498,17 @@ if njit is not None:
                             d[j] += np.int64(gr[j])
 
     @_pjit
-    def _dsp_junk_sums(xflat, p, ok, wz, s1, s0):
+    def _dsp_junk_sums(xflat, p, wz, s1, s0):
         """s1[m, c] = sum_t xflat[p[m, c, t]] * wz[t, c] and s0[m, c] = sum_t wz[t, c] over the taps t with
-        ok[m, c, t] (int64: exact for any tap count the kernels have)."""
+        p[m, c, t] >= 0 (-1: a tap that reads no input; int64 sums: exact for any tap count the kernels have)."""
         for m in prange(p.shape[0]):
             for c in range(p.shape[1]):
                 a1, a0 = np.int64(0), np.int64(0)
                 for t in range(p.shape[2]):
-                    if ok[m, c, t]:
+                    j = p[m, c, t]
+                    if j >= 0:
                         wv = np.int64(wz[t, c])
-                        a1 += np.int64(xflat[p[m, c, t]]) * wv
+                        a1 += np.int64(xflat[j]) * wv
                         a0 += wv
                 s1[m, c] = a1
                 s0[m, c] = a0
@@ -604,12 +605,13 @@ def dsp_pointwise_sums(x: np.ndarray, in_offset: int, wz: np.ndarray, chunk: int
     return out
 
 
-def dsp_junk_sums(xflat: np.ndarray, p: np.ndarray, ok: np.ndarray, wz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sum of xflat[p] * wz, sum of wz) over the taps where ``ok``: int64 [M, C] each, from ``p``, ``ok``
-    [M, C, T] and ``wz`` [T, C] (runtime/kernels/dsp.py, the depthwise kernel's discarded columns)."""
+def dsp_junk_sums(xflat: np.ndarray, p: np.ndarray, wz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sum of xflat[p] * wz, sum of wz) over the taps where p >= 0: int64 [M, C] each, from the int32 index ``p``
+    [M, C, T] (-1 where a tap reads no input) and ``wz`` [T, C] (runtime/kernels/dsp.py, the depthwise kernel's
+    discarded columns)."""
     m, c = p.shape[:2]
     s1, s0 = np.empty((m, c), np.int64), np.empty((m, c), np.int64)
-    _dsp_junk_sums(xflat, p, ok, np.ascontiguousarray(wz), s1, s0)
+    _dsp_junk_sums(xflat, p, np.ascontiguousarray(wz), s1, s0)
     return s1, s0
 
 
