@@ -143,7 +143,10 @@ def test_busy_cpus_counts_a_busy_loop_neighbour_and_not_this_process():
     finally:
         spin.kill()
         spin.wait()
-    assert min(seen) >= 1  # the spinning process is always running or ready to run
+    # the spinning process is always running or ready to run; /proc/loadavg and this process's own thread states
+    # are two reads, not one snapshot, so one of our threads waking between them can hide it from a sample (seen
+    # once in a CI run: at least one sample of 20)
+    assert sum(n >= 1 for n in seen) >= 18, seen
 
 
 def test_a_run_restores_blas_threads(mnv2):
