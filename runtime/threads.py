@@ -15,7 +15,8 @@ element is computed by one block, by the same code, and every GEMM is exact
   held to one thread (threadpoolctl), because
   the blocks call it themselves and two pools of spinning threads on the same cores were measured
   20x slower on a busy machine. Nested and concurrent sections share one BLAS limit, restored
-  when the last one ends.
+  when the last one ends. The first section of a process also sets glibc's heap thresholds
+  (runtime/heap.py), so that each run reuses the previous run's large buffers.
 
 Why numba's pool rather than Python threads: a dispatch to a sleeping Python thread was measured
 at 60-70 us on this project's 2-vCPU machines (waking a halted vCPU, then a GIL hand-off), more
@@ -29,6 +30,7 @@ import threading
 from contextlib import contextmanager
 
 from maceq.errors import MaceqError
+from maceq.runtime import heap
 from maceq.runtime.kernels import blas
 
 try:  # numba is a declared dependency; without it the numpy paths run on one thread
@@ -122,6 +124,7 @@ def section(threads: int | None = None, *, hold_blas: bool = False):
     if not isinstance(n, int) or n < 1:
         raise MaceqError(f"threads must be a positive integer, got {n!r}")
     n = min(n, _numba_max())
+    heap.steady()  # once per process: the run's large buffers reused by the next run
     if numba is None:
         yield n
         return
