@@ -7,6 +7,7 @@ transcription's own primitives. Every equality test counts mismatching elements 
 """
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -335,6 +336,45 @@ def test_supernode_d32_fast_equals_scalar():
         tally.add(want, dsp.supernode(x, w, bias, variant=dsp.SupernodeVariant.D32, **kw))
     assert tally.counts() == (0, 0)
     assert nodes == {"Supernode_8x8p32to8_d32", "InputSupernode_8x8p32to8_outd32", "flat"}
+
+
+def test_d32_nodes_keep_their_first_pass_and_take_codes_from_the_tiles(monkeypatch):
+    """A pointwise Supernode_8x8p32to8_d32 and a DepthwiseSupernode run twice on the same filter, as a model's node
+    runs on every image: equal to the scalar reference each time, over open, half-open and fixed output ranges (the
+    open ones retry). The second run takes the kept first pass (one range set-up fewer); the pointwise node takes its
+    codes from the integer tiles without keeping sums wherever the CPU has them."""
+    from maceq.runtime.kernels import intgemm, jit
+
+    rng = np.random.default_rng(13)
+    setups, codes = [], []
+    real_setup, real_codes = r.setup_initial_output_range, intgemm.dsp_pointwise
+    monkeypatch.setattr(r, "setup_initial_output_range", lambda *a: setups.append(1) or real_setup(*a))
+    monkeypatch.setattr(intgemm, "dsp_pointwise", lambda *a: codes.append(1) or real_codes(*a))
+    tiles = intgemm.available() and jit.gemm_available()
+    tally, retried = _Tally(), []
+    ranges = [(-INF, INF), (0.0, INF), (-INF, 2.0), qc.mace_adjust_range_for_hexagon(-3.0, 5.0)[:2], (0.0, 0.2)]
+    for out_min, out_max in ranges:
+        for depthwise in (False, True):
+            c, o = (40, 40) if depthwise else (40, 33)
+            x = rng.integers(0, 256, (1, 5, 7, c), dtype=np.uint8)
+            w = rng.integers(0, 256, (3, 3, c, 1) if depthwise else (1, 1, c, o), dtype=np.uint8)
+            bias, b_min, b_max = qc.mace_quantize_bias(rng.normal(size=o))
+            kw = dict(x_min=-1.0, x_max=3.0, w_min=-0.5, w_max=0.7, bias_min=b_min, bias_max=b_max, out_min=out_min,
+                      out_max=out_max, strides=(1, 1), padding="SAME" if depthwise else "VALID")
+            ref, fast = ((r.depthwise_supernode_ref, dsp.depthwise_supernode) if depthwise else
+                         (r.supernode_d32_ref, functools.partial(dsp.supernode, variant=dsp.SupernodeVariant.D32)))
+            want = ref(x, w, bias, **kw)
+            counts = []
+            for _ in range(2):
+                setups.clear()
+                codes.clear()
+                tally.add(want, fast(x, w, bias, **kw))
+                counts.append(len(setups))
+                assert bool(codes) == (tiles and not depthwise)
+            assert counts[1] == counts[0] - 1, (out_min, out_max, depthwise, counts)
+            retried.append(counts[1] > 0)
+    assert tally.counts() == (0, 0) and tally.elements > 2000
+    assert any(retried) and not all(retried)
 
 
 def test_depthwise_fast_equals_scalar():

@@ -50,6 +50,27 @@ def test_tiles_equal_int64_sums(isa, rows, k, o):
         assert np.array_equal(intgemm.pointwise_sums(x, zx, f), (x.astype(np.int64) - zx) @ wo.T)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows, k, o", [(1, 16, 3), (37, 40, 33), (1001, 96, 24), (6, 300, 70)])
+def test_dsp_codes_on_the_tiles_equal_sums_then_requant(isa, rows, k, o):
+    # nnlib's d32 requantization block by block from the tiles' sums (no sums kept) equals the sums, then the
+    # requantization: codes and the min / max raw values, over shifts up to 31 and the largest multiplier
+    from maceq.runtime.kernels import jit
+
+    rng = np.random.default_rng(rows + k + o)
+    wo = _filter(rng, o, k)
+    f = intgemm.PackedFilter(wo, isa)
+    x = rng.integers(0, 256, (rows, k), dtype=np.uint8)
+    x[0] = 255
+    sums = (x.astype(np.int64) - 77) @ wo.T
+    for recip, shamt in ((1 << 30, 0), (2 ** 31 - 1, 5), (int(rng.integers(1, 2 ** 31)), 31), (1 << 13, 0)):
+        word = rng.integers(-(2 ** 31), 2 ** 31, o) if shamt else rng.integers(-(2 ** 20), 2 ** 20, o)
+        got = intgemm.dsp_pointwise(x, 77, f, word, recip, shamt)
+        want = jit.d32_requant(sums, recip, shamt, word)
+        assert np.array_equal(got[0], want[0]) and got[1:] == want[1:]
+    assert 0 < np.count_nonzero((want[0] > 0) & (want[0] < 255))  # the last case: codes inside (0, 255) too
+
+
 @pytest.mark.parametrize("isa", [_isa_param(Isa.AVX2)])
 @pytest.mark.parametrize("rows, k, o", [(1, 1, 3), (6, 27, 32), (9, 3, 40), (5, 321, 17)])
 def test_avx2_tiles_take_any_reduction_length(isa, rows, k, o):

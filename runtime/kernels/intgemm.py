@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
     intrinsic = None
 
 __all__ = ["Isa", "isa", "available", "supported", "PackedFilter", "pack_filter", "packed", "pointwise_sums",
-           "pointwise_conv", "gpu_pointwise"]
+           "pointwise_conv", "gpu_pointwise", "dsp_pointwise"]
 
 ROWS = 4  # rows of x per tile
 
@@ -355,6 +355,21 @@ if intrinsic is not None:
             jit._requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out[r0:r0 + m])
 
 
+    @_pjit
+    def _dsp_pointwise(x, zx, b, n16, shift, wsums, block, gz, word, recip_val, shamt, out, lims):
+        """nnlib's codes per block of rows: G by the tiles (of gz's dtype), then the d32 requantization of G + word
+        (jit._d32_requant, which wraps G to int32 first, as the node's accumulator does); lims[t] the block's
+        (min, max) raw values."""
+        for t in prange((x.shape[0] + block - 1) // block):
+            r0 = t * block
+            m = min(block, x.shape[0] - r0)
+            g = np.empty((m, out.shape[1]), gz.dtype)
+            _block_sums(x, r0, m, zx, b, n16, shift, wsums, g)
+            lo, hi = jit._d32_requant(g, word, recip_val, shamt, out[r0:r0 + m])
+            lims[t, 0] = lo
+            lims[t, 1] = hi
+
+
 if intrinsic is not None:
     @_pjit
     def _gpu_pointwise(x, zx, b, n16, shift, wsums, block, gz, bias, scale, zp, out):
@@ -407,6 +422,22 @@ def pointwise_conv(x: np.ndarray, x_zp: int, f: PackedFilter, rq, out: np.ndarra
         _pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
                    _rows_per_block(x.shape[0], f.o), _g_like(f), rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo),
                    float(rq.hi), jit._mode(affine=True, correct=rq.correct, lo=rq.lo), out)
+
+
+def dsp_pointwise(x: np.ndarray, x_zp: int, f: PackedFilter, word: np.ndarray, recip_val: int, shamt: int
+                  ) -> tuple[np.ndarray, int, int]:
+    """nnlib's d32 requantization (jit.d32_requant) of G + word for uint8 x [rows, K] and the packed filter, per
+    block of rows without keeping G: (uint8 codes [rows, O], min raw, max raw), the min / max starting from
+    (2^24, -2^24) as jit.d32_requant's."""
+    out = np.empty((x.shape[0], f.o), np.uint8)
+    block = _rows_per_block(x.shape[0], f.o)
+    lims = np.empty((max(1, -(-x.shape[0] // block)), 2), np.int64)
+    lims[:, 0], lims[:, 1] = 1 << 24, -(1 << 24)
+    with threads.blas_held():
+        _dsp_pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums, block,
+                       _g_like(f), np.ascontiguousarray(word, dtype=np.int64), np.int64(recip_val), np.int64(shamt),
+                       out, lims)
+    return out, int(lims[:, 0].min()), int(lims[:, 1].max())
 
 
 def gpu_pointwise(x: np.ndarray, x_zp: int, f: PackedFilter, bias: np.ndarray, scale: np.ndarray, zp) -> np.ndarray:
