@@ -221,8 +221,15 @@ def test_dw_sums_compiled_equal_numpy_and_plain_int64_sums(geometry, monkeypatch
         numpy_path = dsp._dw_sums_numpy(x, w, io, wo, strides, before, out_hw)
         assert np.array_equal(numpy_path, want)
         if jit.available():
-            assert np.array_equal(jit.dsp_dw_sums(x, w[:, :, :, 0].astype(np.int32) - wo, io, strides, before,
-                                                  out_hw), want)
+            wz = w[:, :, :, 0].astype(np.int32) - wo
+            assert np.array_equal(jit.dsp_dw_sums(x, wz, io, strides, before, out_hw), want)
+            # the codes in the same pass equal the sums, then the requantization
+            for recip, shamt in ((1 << 30, 0), (2 ** 31 - 1, 7), (1 << 14, 0)):
+                word = rng.integers(-(2 ** 20), 2 ** 20, 37) if shamt == 0 else rng.integers(-(2 ** 31), 2 ** 31, 37)
+                got, ref = jit.dsp_dw_codes(x, wz, io, strides, before, out_hw, word, recip, shamt), \
+                    jit.d32_requant(want, recip, shamt, word)
+                assert np.array_equal(got[0], ref[0]) and got[1:] == ref[1:]
+            assert 0 < np.count_nonzero((ref[0] > 0) & (ref[0] < 255))
     if not jit.available():
         return  # the numpy path, checked above, is the only one
     calls = []
@@ -251,7 +258,7 @@ def test_dw_junk_sums_compiled_equal_numpy(geometry, monkeypatch):
     real = jit.dsp_junk_sums
     monkeypatch.setattr(jit, "dsp_junk_sums", lambda *a: calls.append(1) or real(*a))
     compiled = dsp._dw_junk_sums(*args)
-    assert calls == [1]  # the compiled pass ran (on the int32 index)
+    assert calls == []  # the sums are found on the first call (a node whose range is given never asks)
     monkeypatch.setenv("MACEQ_NO_JIT", "1")
     numpy_path = dsp._dw_junk_sums(*args)
     assert (compiled is None) == (numpy_path is None)
@@ -260,3 +267,4 @@ def test_dw_junk_sums_compiled_equal_numpy(geometry, monkeypatch):
     for io in (0, 255, int(rng.integers(0, 256))):
         a, b = compiled(io), numpy_path(io)
         assert a.shape == b.shape and a.size and np.array_equal(a, b)
+    assert calls == [1]  # the compiled pass ran once (on the int32 index) for every in_offset

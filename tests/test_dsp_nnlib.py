@@ -342,14 +342,18 @@ def test_d32_nodes_keep_their_first_pass_and_take_codes_from_the_tiles(monkeypat
     """A pointwise Supernode_8x8p32to8_d32 and a DepthwiseSupernode run twice on the same filter, as a model's node
     runs on every image: equal to the scalar reference each time, over open, half-open and fixed output ranges (the
     open ones retry). The second run takes the kept first pass (one range set-up fewer); the pointwise node takes its
-    codes from the integer tiles without keeping sums wherever the CPU has them."""
+    codes from the integer tiles without keeping sums wherever the CPU has them, the depthwise node from its compiled
+    sums wherever numba runs, and it finds the sums at its discarded columns only where an open range needs them."""
     from maceq.runtime.kernels import intgemm, jit
 
     rng = np.random.default_rng(13)
     setups, codes = [], []
-    real_setup, real_codes = r.setup_initial_output_range, intgemm.dsp_pointwise
+    real_setup, real_codes, real_dw = r.setup_initial_output_range, intgemm.dsp_pointwise, jit.dsp_dw_codes
     monkeypatch.setattr(r, "setup_initial_output_range", lambda *a: setups.append(1) or real_setup(*a))
-    monkeypatch.setattr(intgemm, "dsp_pointwise", lambda *a: codes.append(1) or real_codes(*a))
+    monkeypatch.setattr(intgemm, "dsp_pointwise", lambda *a: codes.append("pointwise") or real_codes(*a))
+    monkeypatch.setattr(jit, "dsp_dw_codes", lambda *a: codes.append("depthwise") or real_dw(*a))
+    junk, real_junk = [], jit.dsp_junk_sums
+    monkeypatch.setattr(jit, "dsp_junk_sums", lambda *a: junk.append(1) or real_junk(*a))
     tiles = intgemm.available() and jit.gemm_available()
     tally, retried = _Tally(), []
     ranges = [(-INF, INF), (0.0, INF), (-INF, 2.0), qc.mace_adjust_range_for_hexagon(-3.0, 5.0)[:2], (0.0, 0.2)]
@@ -368,9 +372,13 @@ def test_d32_nodes_keep_their_first_pass_and_take_codes_from_the_tiles(monkeypat
             for _ in range(2):
                 setups.clear()
                 codes.clear()
+                junk.clear()
                 tally.add(want, fast(x, w, bias, **kw))
+                if depthwise and jit.available():  # the discarded columns' sums only where the range is open
+                    assert bool(junk) == (not (math.isfinite(out_min) and math.isfinite(out_max)))
                 counts.append(len(setups))
-                assert bool(codes) == (tiles and not depthwise)
+                assert set(codes) == ({"depthwise"} if jit.available() else set()) if depthwise else \
+                    ({"pointwise"} if tiles else set())
             assert counts[1] == counts[0] - 1, (out_min, out_max, depthwise, counts)
             retried.append(counts[1] > 0)
     assert tally.counts() == (0, 0) and tally.elements > 2000

@@ -420,11 +420,30 @@ def _conv_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray
 def _dw_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray:
     """int64 [N,OH,OW,C]: the depthwise sum((x - in_offset)*(w - w_offset)) over in-bounds taps, wrapped to int32;
     one compiled pass in int32 where no sum can leave it (equal to :func:`_dw_sums_numpy`: tests/test_dsp_fills.py)."""
-    kh, kw = w.shape[:2]
-    if jit.available() and kh * kw * PRODUCT_MAX < 2 ** 31:
-        wz = w[:, :, :, 0].astype(np.int32) - np.int32(w_offset)
+    wz = _dw_offset_filter(w, w_offset)
+    if wz is not None:
         return jit.dsp_dw_sums(x, wz, in_offset, strides, before, out_hw)
     return _dw_sums_numpy(x, w, in_offset, w_offset, strides, before, out_hw)
+
+
+def _dw_offset_filter(w, w_offset: int):
+    """int32 [KH, KW, C] taps less ``w_offset`` where the compiled depthwise passes run (no sum can leave int32), else
+    None."""
+    kh, kw = w.shape[:2]
+    if not (jit.available() and kh * kw * PRODUCT_MAX < 2 ** 31):
+        return None
+    return derived(w, ("dw_wz32", w_offset), lambda v: v[:, :, :, 0].astype(np.int32) - np.int32(w_offset))
+
+
+def _dw_codes(x, w, w_offset: int, strides, before, out_hw):
+    """``codes(in_offset, word, recip_val, shamt)`` -> (uint8 [N, OH, OW, C], min raw, max raw): the d32
+    requantization of :func:`_dw_sums`'s sums plus ``word`` [C] in their compiled pass (jit.dsp_dw_codes), no sums
+    kept; None where the numpy steps run."""
+    wz = _dw_offset_filter(w, w_offset)
+    if wz is None:
+        return None
+    return lambda io, word, recip_val, shamt: jit.dsp_dw_codes(x, wz, io, strides, before, out_hw, word, recip_val,
+                                                              shamt)
 
 
 def _dw_sums_numpy(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray:
@@ -456,23 +475,27 @@ def _d32_kernel(n_out: int, gemsumb, conv_sums, junk_sums=None, codes=None):
     ``v = in_offset`` at padding; the HVX conv sums are that plus the bias word plus
     ``gemsumb*in_offset`` (each node's own gemsumb, over the channels padded to 32). The min /
     max also covers the padded channels (bias word only) and ``junk_sums(in_offset)``, int64
-    [M, O] sums at computed-but-discarded columns. Sums are cached per ``in_offset``. ``codes``
-    (without ``junk_sums``): the requantized sums in one step (:func:`_pointwise_codes`), used instead.
+    [M, O] sums at computed-but-discarded columns. Sums are cached per ``in_offset``. ``codes``: the
+    requantized sums in one step (:func:`_pointwise_codes`, :func:`_dw_codes`), used instead of ``conv_sums``.
+    ``ranged=False`` (:func:`_d32_execute`, for a node whose output range is given at both ends, whose retry check
+    never reads the min / max): the padded channels and discarded columns are skipped.
     """
     cache = {}
     g = np.asarray(gemsumb, dtype=np.int64)
 
-    def kernel(sc: r.D32Scaling, biasbuf):
+    def kernel(sc: r.D32Scaling, biasbuf, *, ranged: bool = True):
         io = sc.in_offset
         word = np.asarray(biasbuf, dtype=np.int64) + g * io
-        if codes is not None and junk_sums is None:
+        if codes is not None:
             y, vmin, vmax = codes(io, word[:n_out], sc.recip_val, sc.recip_shamt)
-            junk = None
+            junk = junk_sums(io) if junk_sums is not None and ranged else None
         else:
             if io not in cache:
-                cache[io] = (conv_sums(io), junk_sums(io) if junk_sums is not None else None)
+                cache[io] = (conv_sums(io), junk_sums(io) if junk_sums is not None and ranged else None)
             sums, junk = cache[io]
             y, vmin, vmax = _d32_requant(sums, sc.recip_val, sc.recip_shamt, word[:n_out])
+        if not ranged:
+            return y, vmin, vmax
         for extra, add in ((word[n_out:], None), (junk, word[:n_out])):
             if extra is not None and extra.size:
                 _, lo, hi = _d32_requant(extra, sc.recip_val, sc.recip_shamt, add)
@@ -521,9 +544,10 @@ def _d32_index(shape, b, rows, cols, chans) -> tuple[np.ndarray, np.ndarray]:
 @functools.lru_cache(maxsize=256)
 def _dw_junk_index(shape, kernel, strides, before, out_hw):
     """(flat index, read-the-input mask) [N, OH, J, C, KH, KW] of the taps the depthwise kernel reads at
-    the computed columns outside the output (``dwise_computed_cols``), and the same as one int32 index with -1 where
-    the mask is False (what the compiled sums read: 4 bytes a tap instead of 9), or None where an index passes 2^31;
-    None when there are none. Kept per geometry: every image of a run reads the same places."""
+    the computed columns outside the output (``dwise_computed_cols``), and the same as one int32 index [N, OH, J, KH,
+    KW, C] with -1 where the mask is False (what the compiled sums read: 4 bytes a tap instead of 9, channels
+    innermost), or None where an index passes 2^31; None when there are none. Kept per geometry: every image of a
+    run reads the same places."""
     n, h, wd, c = shape
     kh, kw = kernel
     cols = [ox for ox in r.dwise_computed_cols((kh, kw), strides[1], out_hw[1], before[1]) if not 0 <= ox < out_hw[1]]
@@ -536,7 +560,8 @@ def _dw_junk_index(shape, kernel, strides, before, out_hw):
         + np.arange(kw)[None, None, None, None, None, :]
     chans = np.arange(c)[None, None, None, :, None, None]
     p, ok = _d32_index(shape, bb, rows, mcols, chans)
-    q = np.where(ok, p, -1).astype(np.int32) if n * h * wd * c < 2 ** 31 else None
+    q = None if n * h * wd * c >= 2 ** 31 else np.ascontiguousarray(  # [N, OH, J, KH, KW, C]: channels innermost
+        np.where(ok, p, -1).astype(np.int32).transpose(0, 1, 2, 4, 5, 3))
     for a in (p, ok) if q is None else (p, ok, q):
         a.flags.writeable = False
     return p, ok, q
@@ -555,11 +580,17 @@ def _dw_junk_sums(x, w, filt_offset: int, strides, before, out_hw):
         return None
     p, ok, q = index
     c = x.shape[3]
-    if jit.available() and q is not None:  # one compiled pass over the taps (equal to the numpy steps below:
-        # tests/test_dsp_fills.py)
-        wz = (w[:, :, :, 0].astype(np.int64) - filt_offset).reshape(kh * kw, c)
-        s1, s0 = jit.dsp_junk_sums(np.ascontiguousarray(x).reshape(-1), q.reshape(-1, c, kh * kw), wz)
-        return lambda io: _wrap32(s1 - io * s0)
+    if jit.available() and q is not None and kh * kw * PRODUCT_MAX < 2 ** 31:  # one compiled pass over the taps
+        # in int32 (equal to the numpy steps below: tests/test_dsp_fills.py)
+        wz = (w[:, :, :, 0].astype(np.int32) - np.int32(filt_offset)).reshape(kh * kw, c)
+        kept = []  # the two sums, found on the first call (none where the node's range needs no min / max)
+
+        def compiled_sums(io):
+            if not kept:
+                kept.extend(jit.dsp_junk_sums(np.ascontiguousarray(x).reshape(-1), q.reshape(-1, kh * kw, c), wz))
+            return _wrap32(kept[0] - io * kept[1])
+
+        return compiled_sums
     dtype = np.float32 if kh * kw <= F32_EXACT_TERMS else np.float64
     wz = w[:, :, :, 0].astype(dtype) - dtype(filt_offset)  # [KH, KW, C]
     v = np.where(ok, x.reshape(-1)[p], 0).astype(dtype)  # [N, OH, J, C, KH, KW]
@@ -658,7 +689,7 @@ def _d32_execute(w, **args):
     D32Scaling and bias words depend on the node's ranges, bias and gemsumb only, which a model's node brings
     unchanged on every run. The kernel runs with them; where the retry check asks for another pass, the
     reference loop runs from the start (the same first pass, then the next ones). Equal to the reference loop:
-    tests/test_dsp_fills.py."""
+    tests/test_dsp_nnlib.py."""
     kept = derived(w, "d32_first_passes", lambda _: {})
     key = tuple(args[k] for k in ("node", "out_min", "out_max", "x_min", "x_max", "weights_level", "bias_min",
                                   "bias_max")) + (args["bias"].tobytes(), np.asarray(args["gemsumb"]).tobytes())
@@ -672,7 +703,8 @@ def _d32_execute(w, **args):
             kept.pop(next(iter(kept)))
         kept[key] = first
     st0, sc, biasbuf = first
-    y, vmin, vmax = args["kernel"](sc, biasbuf)
+    # both ends given: the retry check returns before it reads the min / max, so the kernel need not find them
+    y, vmin, vmax = args["kernel"](sc, biasbuf, ranged=st0.flags != 3)
     st = dataclasses.replace(st0)
     if not r.d32_check_for_retry(st, sc, vmin, vmax):
         return y, st.out_min, st.out_max
@@ -720,7 +752,8 @@ def depthwise_supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bia
                         bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=gemsumb,
                         kernel=_d32_kernel(
                             c, gemsumb, lambda io: _dw_sums(x, w, io, filt_offset, strides, (bh, bw), (oh, ow)),
-                            _dw_junk_sums(x, w, filt_offset, strides, (bh, bw), (oh, ow))))
+                            _dw_junk_sums(x, w, filt_offset, strides, (bh, bw), (oh, ow)),
+                            _dw_codes(x, w, filt_offset, strides, (bh, bw), (oh, ow))))
 
 
 def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-INF, out_max=INF, relu=None,

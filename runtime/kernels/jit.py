@@ -69,7 +69,8 @@ except ImportError:  # pragma: no cover - exercised only without numba
 
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
            "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise", "gpu_requant",
-           "hvx_quantize", "dsp_dw_sums", "dsp_junk_sums", "dsp_pointwise_sums", "gpu_pointwise", "lut_pairs_range"]
+           "hvx_quantize", "dsp_dw_sums", "dsp_dw_codes", "dsp_junk_sums", "dsp_pointwise_sums", "gpu_pointwise",
+           "lut_pairs_range"]
 
 
 def available() -> bool:
@@ -445,32 +446,49 @@ if njit is not None:
                 o[i] = min(max(lsum, np.int32(0)), np.int32(255))
         return np.int64(vmin), np.int64(vmax)
 
+    @_jit
+    def _dw_row_sums(x, wz, io, n, oy, sh, sw, bh, bw, acc):
+        """nnlib's depthwise sums of output row oy of image n: acc[ox, c] = sum over the taps inside x of
+        (x - io) * wz[i, j, c], in int32 (the callers check KH*KW*255*255 < 2^31, so no partial sum wraps)."""
+        h, wd, c = x.shape[1], x.shape[2], x.shape[3]
+        kh, kw = wz.shape[0], wz.shape[1]
+        for ox in range(acc.shape[0]):
+            a = acc[ox]
+            a[:] = 0
+            for i in range(kh):
+                iy = oy * sh + i - bh
+                if iy < 0 or iy >= h:
+                    continue
+                for j in range(kw):
+                    ix = ox * sw + j - bw
+                    if ix < 0 or ix >= wd:
+                        continue
+                    src, wr = x[n, iy, ix], wz[i, j]
+                    for k in range(c):
+                        a[k] += (np.int32(src[k]) - io) * wr[k]
+
     @_pjit
     def _dsp_dw_sums(x, wz, io, sh, sw, bh, bw, out):
-        """nnlib's depthwise sums: out[n, oy, ox, c] = sum over the taps inside x of (x - io) * wz[i, j, c], in
-        int32 (the caller checks KH*KW*255*255 < 2^31, so no partial sum wraps). One output row per task."""
-        n_img, h, wd, c = x.shape
-        _, oh, ow, _ = out.shape
-        kh, kw = wz.shape[0], wz.shape[1]
+        """nnlib's depthwise sums (_dw_row_sums) into out [N, OH, OW, C]. One output row per task."""
+        n_img, oh, ow, c = out.shape
         for t in prange(n_img * oh):
             n, oy = t // oh, t % oh
-            acc = np.empty(c, np.int32)
-            for ox in range(ow):
-                acc[:] = 0
-                for i in range(kh):
-                    iy = oy * sh + i - bh
-                    if iy < 0 or iy >= h:
-                        continue
-                    for j in range(kw):
-                        ix = ox * sw + j - bw
-                        if ix < 0 or ix >= wd:
-                            continue
-                        src, wr = x[n, iy, ix], wz[i, j]
-                        for k in range(c):
-                            acc[k] += (np.int32(src[k]) - io) * wr[k]
-                dst = out[n, oy, ox]
-                for k in range(c):
-                    dst[k] = acc[k]
+            acc = np.empty((ow, c), np.int32)
+            _dw_row_sums(x, wz, io, n, oy, sh, sw, bh, bw, acc)
+            out[n, oy] = acc
+
+    @_pjit
+    def _dsp_dw_codes(x, wz, io, sh, sw, bh, bw, word, recip_val, shamt, out, lims):
+        """nnlib's depthwise codes: the d32 requantization (_d32_requant) of the sums (_dw_row_sums) plus word [C],
+        one output row per task, no sums kept; lims[t] the row's (min, max) raw values."""
+        n_img, oh, ow, c = out.shape
+        for t in prange(n_img * oh):
+            n, oy = t // oh, t % oh
+            acc = np.empty((ow, c), np.int32)
+            _dw_row_sums(x, wz, io, n, oy, sh, sw, bh, bw, acc)
+            lo, hi = _d32_requant(acc, word, recip_val, shamt, out[n, oy])
+            lims[t, 0] = lo
+            lims[t, 1] = hi
 
     @_pjit
     def _dsp_pointwise_sums(x, io, wz, addr, bits64, block, chunk, out):
@@ -499,19 +517,21 @@ if njit is not None:
 
     @_pjit
     def _dsp_junk_sums(xflat, p, wz, s1, s0):
-        """s1[m, c] = sum_t xflat[p[m, c, t]] * wz[t, c] and s0[m, c] = sum_t wz[t, c] over the taps t with
-        p[m, c, t] >= 0 (-1: a tap that reads no input; int64 sums: exact for any tap count the kernels have)."""
+        """s1[m, c] = sum_t xflat[p[m, t, c]] * wz[t, c] and s0[m, c] = sum_t wz[t, c] over the taps t with
+        p[m, t, c] >= 0 (-1: a tap that reads no input), in int32: the caller checks T*255*255 < 2^31 (|x|, |wz| <=
+        255), so no sum wraps. Channels innermost: a tap's reads are mostly consecutive bytes."""
         for m in prange(p.shape[0]):
-            for c in range(p.shape[1]):
-                a1, a0 = np.int64(0), np.int64(0)
-                for t in range(p.shape[2]):
-                    j = p[m, c, t]
+            a1 = np.zeros(p.shape[2], np.int32)
+            a0 = np.zeros(p.shape[2], np.int32)
+            for t in range(p.shape[1]):
+                pt, wt = p[m, t], wz[t]
+                for c in range(p.shape[2]):
+                    j = pt[c]
                     if j >= 0:
-                        wv = np.int64(wz[t, c])
-                        a1 += np.int64(xflat[j]) * wv
-                        a0 += wv
-                s1[m, c] = a1
-                s0[m, c] = a0
+                        a1[c] += np.int32(xflat[j]) * wt[c]
+                        a0[c] += wt[c]
+            s1[m] = a1
+            s0[m] = a0
 
 
 def lut_pairs(a: np.ndarray, b: np.ndarray, body: int, body_table: np.ndarray, tail_table: np.ndarray) -> np.ndarray:
@@ -591,6 +611,19 @@ def dsp_dw_sums(x: np.ndarray, wz: np.ndarray, in_offset: int, strides, before, 
     return out
 
 
+def dsp_dw_codes(x: np.ndarray, wz: np.ndarray, in_offset: int, strides, before, out_hw, word: np.ndarray,
+                 recip_val: int, shamt: int) -> tuple[np.ndarray, int, int]:
+    """nnlib's d32 requantization of :func:`dsp_dw_sums`'s sums plus ``word`` [C] in the same pass, no sums kept:
+    (uint8 [N, OH, OW, C], min raw, max raw), the min / max starting from (2^24, -2^24) as :func:`d32_requant`'s."""
+    out = np.empty((x.shape[0], out_hw[0], out_hw[1], x.shape[3]), np.uint8)
+    lims = np.empty((max(1, x.shape[0] * out_hw[0]), 2), np.int64)
+    lims[:, 0], lims[:, 1] = 1 << 24, -(1 << 24)
+    _dsp_dw_codes(np.ascontiguousarray(x), np.ascontiguousarray(wz, dtype=np.int32), np.int32(in_offset),
+                  int(strides[0]), int(strides[1]), int(before[0]), int(before[1]),
+                  np.ascontiguousarray(word, dtype=np.int64), np.int64(recip_val), np.int64(shamt), out, lims)
+    return out, int(lims[:, 0].min()), int(lims[:, 1].max())
+
+
 def dsp_pointwise_sums(x: np.ndarray, in_offset: int, wz: np.ndarray, chunk: int) -> np.ndarray:
     """int64 [rows, O] sums of (x - in_offset) * wz for uint8 x [rows, C] and the float32 offset filter wz
     [C, O] (C-contiguous, |wz| <= 255), in float32 GEMMs of at most ``chunk`` channels (chunk*255*255 <= 2^24)
@@ -607,9 +640,9 @@ def dsp_pointwise_sums(x: np.ndarray, in_offset: int, wz: np.ndarray, chunk: int
 
 def dsp_junk_sums(xflat: np.ndarray, p: np.ndarray, wz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sum of xflat[p] * wz, sum of wz) over the taps where p >= 0: int64 [M, C] each, from the int32 index ``p``
-    [M, C, T] (-1 where a tap reads no input) and ``wz`` [T, C] (runtime/kernels/dsp.py, the depthwise kernel's
+    [M, T, C] (-1 where a tap reads no input) and ``wz`` [T, C] (runtime/kernels/dsp.py, the depthwise kernel's
     discarded columns)."""
-    m, c = p.shape[:2]
+    m, c = p.shape[0], p.shape[2]
     s1, s0 = np.empty((m, c), np.int64), np.empty((m, c), np.int64)
     _dsp_junk_sums(xflat, p, np.ascontiguousarray(wz), s1, s0)
     return s1, s0
