@@ -16,6 +16,7 @@ cpu kernel reads the same real values from it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,7 @@ def rng(q: QInfo) -> tuple[float, float]:
     return -q.zero_point * q.scale, (255 - q.zero_point) * q.scale
 
 
+@functools.lru_cache(maxsize=4096)  # a model's nodes bring the same ranges on every run
 def qinfo_of_range(mn: float, mx: float) -> QInfo:
     zero, level = R.get_qu8_level_size_zero(mn, mx)
     return QInfo(float(level), int(zero), float(mn), float(mx))
@@ -68,6 +70,7 @@ class DspConvParams:
     padding: R.Padding | None = None  # from a MACE ``padding`` argument (TensorFlow models)
 
 
+@functools.lru_cache(maxsize=1024)  # per node and input size
 def conv_padding(p, in_hw) -> R.Padding:
     """The nnlib padding mode of a conv / pooling op on an input of size ``in_hw`` (MACE's converter rule)."""
     if p.padding is not None:

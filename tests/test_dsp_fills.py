@@ -67,6 +67,7 @@ def test_weight_sums_equal_the_scalar_reference(shape):
         np.testing.assert_array_equal(dsp.dwise_gemsumb(dw, fo), r.dwise_gemsumb(dw, fo))
         fc = w.reshape(-1, shape[3])
         np.testing.assert_array_equal(dsp.superfc_gemsumb(fc, fo), r.superfc_gemsumb(fc, fo))
+        assert dsp.dwise_gemsumb(dw, fo) is dsp.dwise_gemsumb(dw, fo)  # kept per live filter array and offset
 
 
 def test_d32_requant_compiled_equals_numpy_and_the_scalar_reference(monkeypatch):

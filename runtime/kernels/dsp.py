@@ -145,30 +145,44 @@ def superfc_fill_bias_buf(bias, bias_min, bias_max, sc: "r.D32Scaling", out_min:
 
 def padded_gemsumb(w, filt_offset: int, dpad: int) -> np.ndarray:
     """``nnlib_ref._padded_gemsumb``, vectorised: per filter the sum of its bytes, depth padded to
-    ``dpad`` and filters to a multiple of 32, all padding ``filt_offset``."""
+    ``dpad`` and filters to a multiple of 32, all padding ``filt_offset`` (read-only; one per live filter array and
+    arguments)."""
     w = np.asarray(w)
+    return derived(w, ("gemsumb", int(filt_offset), int(dpad)), lambda v: _padded_gemsumb(v, filt_offset, dpad))
+
+
+def _padded_gemsumb(w, filt_offset: int, dpad: int) -> np.ndarray:
     kh, kw, c, o = w.shape
-    sums = derived(w, "sum_khkwc", lambda v: v.astype(np.int64).sum(axis=(0, 1, 2)))
-    sums = sums + kh * kw * (dpad - c) * filt_offset
+    sums = w.astype(np.int64).sum(axis=(0, 1, 2)) + kh * kw * (dpad - c) * filt_offset
     pad = np.full(((o + 31) & ~31) - o, kh * kw * dpad * filt_offset, dtype=np.int64)
     return np.concatenate([sums, pad])
 
 
 def dwise_gemsumb(w, filt_offset: int) -> np.ndarray:
     """``nnlib_ref.dwise_gemsumb``, vectorised: per channel the tap sum less ``KH*KW*filt_offset``;
-    the channels padded to 32 sum ``filt_offset`` over the real taps."""
+    the channels padded to 32 sum ``filt_offset`` over the real taps (read-only; one per live filter array and
+    offset)."""
     w = np.asarray(w)
+    return derived(w, ("dwise_gemsumb", int(filt_offset)), lambda v: _dwise_gemsumb(v, filt_offset))
+
+
+def _dwise_gemsumb(w, filt_offset: int) -> np.ndarray:
     kh, kw, c, _ = w.shape
-    sums = derived(w, "sum_khkw", lambda v: v[:, :, :, 0].astype(np.int64).sum(axis=(0, 1))) - filt_offset * kh * kw
+    sums = w[:, :, :, 0].astype(np.int64).sum(axis=(0, 1)) - filt_offset * kh * kw
     pad = np.zeros(((c + 31) & ~31) - c, dtype=np.int64)  # filt_offset*KH*KW - KH*KW*filt_offset
     return np.concatenate([sums, pad])
 
 
 def superfc_gemsumb(w, filt_offset: int) -> np.ndarray:
-    """``nnlib_ref.superfc_gemsumb``, vectorised: ``K*filt_offset - sum(w)`` per filter, 0 past them."""
+    """``nnlib_ref.superfc_gemsumb``, vectorised: ``K*filt_offset - sum(w)`` per filter, 0 past them (read-only; one
+    per live weight array and offset)."""
     w = np.asarray(w)
+    return derived(w, ("superfc_gemsumb", int(filt_offset)), lambda v: _superfc_gemsumb(v, filt_offset))
+
+
+def _superfc_gemsumb(w, filt_offset: int) -> np.ndarray:
     k, o = w.shape
-    sums = k * filt_offset - derived(w, "sum_k", lambda v: v.astype(np.int64).sum(axis=0))
+    sums = k * filt_offset - w.astype(np.int64).sum(axis=0)
     return np.concatenate([sums, np.zeros(((o + 31) & ~31) - o, dtype=np.int64)])
 
 
