@@ -23,12 +23,12 @@ import numpy as np
 
 from maceq.errors import MaceqError
 from maceq.mace.enums import EltwiseType, PoolingType, ReduceType
+from maceq.runtime.devices import Device
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernel import Kernel
 from maceq.runtime.kernels import dsp as K
 from maceq.runtime.kernels import nnlib_ref as R
 from maceq.runtime.ops import op_pads, pooling_type
-from maceq.runtime.devices import Device
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import register
 
