@@ -127,6 +127,7 @@ class Model:
         self._prepared: dict[tuple[Device, str], Plan] = {}
         #: (device, op type, dtype) -> kernel instance
         self._kernels: dict[tuple, Kernel] = {}
+        self._drops = self._last_uses()
 
     def _input_formats(self) -> dict[str, str]:
         formats = {n: "NCHW" if len(self.input_info[n].dims) == 4 else "NONE" for n in self.input_names}
@@ -250,7 +251,7 @@ class Model:
         with self.section(device, threads):
             plan = self._plan(device, backend)
             values = self._feed(inputs)
-            self._evaluate(plan, values, before_op)
+            self._evaluate(plan, values, before_op, keep=intermediates)
         outputs = self._outputs(values)
         return RunResult(outputs, values) if intermediates else outputs
 
@@ -260,14 +261,34 @@ class Model:
         numpy GEMMs keep BLAS on one thread for the whole run."""
         return _threads.section(threads, hold_blas=Device.parse(device) is not Device.CPU)
 
-    def _evaluate(self, plan: Plan, values: dict[str, QTensor], before_op=None) -> list[PreparedOp]:
-        """Run the ops in order on ``values`` (the fed inputs; each op's outputs are added); the PreparedOps run."""
+    def _last_uses(self) -> list[tuple[str, ...]]:
+        """Per op, the tensors no later op reads and that are not graph outputs: what a run may drop after it."""
+        last: dict[str, int] = {name: -1 for name in self.input_names}
+        for idx, op in enumerate(self.ops):
+            for name in op.inputs + op.outputs:
+                if name not in self.consts:
+                    last[name] = idx
+        drops: list[list[str]] = [[] for _ in self.ops]
+        for name, idx in last.items():
+            if idx >= 0 and name not in self.output_info:
+                drops[idx].append(name)
+        return [tuple(d) for d in drops]
+
+    def _evaluate(self, plan: Plan, values: dict[str, QTensor], before_op=None, *, keep: bool = True
+                  ) -> list[PreparedOp]:
+        """Run the ops in order on ``values`` (the fed inputs; each op's outputs are added); the PreparedOps run.
+        ``keep=False``: each tensor is dropped after its last reader (a run then holds the live tensors only, and
+        their memory is reused while it is still in cache)."""
         steps = plan if before_op is None else _Hooked(plan, before_op)
         ran = []
         for idx, op in enumerate(self.ops):
             prepared, ins = steps.step(idx, values)
             values.update(zip(op.outputs, prepared.run_stored(ins)))
             ran.append(prepared)
+            if not keep:
+                del ins
+                for name in self._drops[idx]:
+                    values.pop(name, None)
         return ran
 
     def _plan(self, device: str | Device, backend: str) -> Plan:

@@ -6,12 +6,14 @@
   kernels.
 - The compiled code's GEMM through numpy's CBLAS equals numpy's matmul on exact integer matrices.
 - MACEQ_NUM_THREADS is validated, and a run leaves BLAS's thread count as it found it.
+- A run without intermediates drops each tensor after its last reader.
 """
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -196,3 +198,33 @@ def test_gpu_and_dsp_runs_hold_blas_from_their_start():
         assert numpy_blas_threads() == before
     with Model.section("cpu", 2):
         assert numpy_blas_threads() == before
+
+
+def test_a_run_drops_each_tensor_after_its_last_reader(mnv2, monkeypatch):
+    # without intermediates a run holds the tensors still to be read only (MobileNetV2: a handful, against every
+    # tensor of the graph with them), and gives the same outputs
+    from maceq.runtime.kernel import PreparedOp
+
+    model, x = mnv2
+    dropped = [name for names in model._drops for name in names]
+    assert len(dropped) == len(set(dropped)) and not set(dropped) & set(model.output_names)
+    for idx, names in enumerate(model._drops):
+        assert not any(name in op.inputs for op in model.ops[idx + 1:] for name in names)
+    refs, alive = [], []
+    real = PreparedOp.run_stored
+
+    def spy(self, ins):
+        out = real(self, ins)
+        alive.append(sum(r() is not None for r in refs))
+        refs.extend(weakref.ref(t.values) for t in out)
+        return out
+
+    monkeypatch.setattr(PreparedOp, "run_stored", spy)
+    kept = model.run({"input": x}, intermediates=True)
+    most_kept = max(alive)
+    refs.clear()
+    alive.clear()
+    outputs = model.run({"input": x})
+    assert most_kept == len(model.ops) - 1 and max(alive) <= 4, (most_kept, max(alive))
+    assert outputs.keys() == kept.outputs.keys()
+    assert all(np.array_equal(outputs[k], kept.outputs[k]) for k in outputs)
