@@ -70,9 +70,8 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import onnx
 from tqdm import tqdm
 
 from maceq.calibrate.runner import as_model_proto, collect, expose_outputs
@@ -81,6 +80,9 @@ from maceq.datasets.images import ImageFolder, UnreadableImageWarning
 from maceq.datasets.preprocess import Preprocess
 from maceq.errors import MaceqError
 from maceq.runtime import threads
+
+if TYPE_CHECKING:  # onnx is imported where it is used: it takes about a second to import
+    import onnx
 
 __all__ = ["Executor", "TaskPool", "collect_parallel", "shard_ranges", "default_intra_op_threads"]
 
@@ -380,6 +382,8 @@ def _shard_folder(files: list[str], preprocess: Preprocess) -> ImageFolder | Non
 def collect_shard(job: ShardJob, item: tuple[int, list[str]], report: Callable[[int], None] | None) -> dict:
     """One shard (module docstring): its statistics as ``StatsCollector.to_dict()`` and its
     readable/skipped files. Runs in a worker process or Ray task."""
+    import onnx  # here, not at import: onnx takes about a second to import, which evaluation workers need not pay
+
     index, files = item
     folder = _shard_folder(files, job.preprocess)
     if folder is None:

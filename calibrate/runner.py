@@ -42,16 +42,18 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from tqdm import tqdm
 
 from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
 from maceq.errors import MaceqError
 from maceq.yamlio import one_line
+
+if TYPE_CHECKING:  # onnx is imported where it is used: it takes about a second to import
+    import onnx
 
 __all__ = ["BatchedSession", "FETCH_BYTES", "as_model_proto", "collect", "expose_outputs", "fixed_batch", "load_onnx",
            "make_session", "redeclare_input", "summed_outputs"]
@@ -76,14 +78,28 @@ def make_session(
     ``input_shape``: the size the model was quantized at, where it differs from a size the model's
     input fixes (``--input-shape`` re-declares it; see :func:`redeclare_input`).
     """
+    if isinstance(model, (str, os.PathLike)) and not os.path.isfile(model):
+        raise MaceqError(f"{os.fspath(model)}: float model not found (pass --float-model)")
+    if input_shape is not None and isinstance(model, (str, os.PathLike)):
+        sess = _session(os.fspath(model), intra_op_threads, optimize)
+        if not _declared_elsewhere(sess, input_shape):
+            return sess  # the file declares the size (or leaves it open): no need to parse it here
     if input_shape is not None:
         model = redeclare_input(as_model_proto(model), input_shape)
-    if isinstance(model, onnx.ModelProto):
-        model = model.SerializeToString()
-    elif not isinstance(model, (bytes, bytearray)):
-        model = os.fspath(model)
-        if not os.path.isfile(model):
-            raise MaceqError(f"{model}: float model not found (pass --float-model)")
+    if not isinstance(model, (bytes, bytearray, str, os.PathLike)):
+        model = model.SerializeToString()  # a ModelProto
+    return _session(model if isinstance(model, (bytes, bytearray)) else os.fspath(model), intra_op_threads, optimize)
+
+
+def _declared_elsewhere(sess: ort.InferenceSession, shape: Sequence[int]) -> bool:
+    """Whether the session's first input fixes a dimension past the batch to another size than ``shape``'s (what
+    :func:`redeclare_input` changes), read from onnxruntime's view of the model (no ONNX parse, no onnx import:
+    a worker process then starts about a second sooner)."""
+    dims = sess.get_inputs()[0].shape
+    return len(dims) == len(shape) and any(isinstance(d, int) and d != int(w) for d, w in zip(dims[1:], shape[1:]))
+
+
+def _session(model: "bytes | str", intra_op_threads: int | None, optimize: bool) -> ort.InferenceSession:
     so = ort.SessionOptions()
     if intra_op_threads:
         so.intra_op_num_threads = int(intra_op_threads)
@@ -98,6 +114,8 @@ def make_session(
 
 def load_onnx(path: "str | os.PathLike") -> onnx.ModelProto:
     """Read an ONNX file; a missing, unreadable or empty model is a one-line MaceqError."""
+    import onnx  # here, not at import: onnx takes about a second to import (ml_dtypes)
+
     path = os.fspath(path)
     if os.path.isdir(path):
         raise MaceqError(f"{path}: is a folder, not an ONNX model file")
@@ -114,6 +132,8 @@ def load_onnx(path: "str | os.PathLike") -> onnx.ModelProto:
 
 def as_model_proto(model: "onnx.ModelProto | bytes | str | os.PathLike") -> onnx.ModelProto:
     """A ModelProto from a ModelProto, a serialized model or a file; MaceqError naming what is wrong."""
+    import onnx  # here, not at import: onnx takes about a second to import (ml_dtypes)
+
     if isinstance(model, onnx.ModelProto):
         return model
     if isinstance(model, (bytes, bytearray)):
@@ -128,6 +148,8 @@ def redeclare_input(model: onnx.ModelProto, shape: Sequence[int]) -> onnx.ModelP
     """``model`` with its (first) input declared at ``shape`` where its fixed spatial dims differ, and
     every other declared shape dropped, so onnxruntime runs it at that size; ``model`` itself when
     nothing differs. The import (quant.onnx_import) has refused graphs with an op that pins the size."""
+    import onnx  # here, not at import: onnx takes about a second to import (ml_dtypes)
+
     inits = {t.name for t in model.graph.initializer}
     inp = next((i for i in model.graph.input if i.name not in inits), None)
     if inp is None:
@@ -242,6 +264,8 @@ def expose_outputs(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.
     Names must be node outputs or graph inputs; anything else raises
     MaceqError naming the tensor. Graph inputs are not added as outputs.
     """
+    import onnx  # here, not at import: onnx takes about a second to import (ml_dtypes)
+
     graph = model.graph
     produced = {o for n in graph.node for o in n.output if o}
     inputs = {i.name for i in graph.input}
