@@ -102,6 +102,7 @@ SLOW = (
     "test_float_neon.py::test_golden_mobilenet_v2_fp32_whole_model",
     "test_fuzz_smoke.py::test_target_seeds_regressions_and_mutations",
     "test_gpu_opencl.py::test_conv_random_configs_opencl_equals_numpy_and_scalar_ref",
+    "test_heap.py::test_a_model_section_sets_the_heap_and_opt_out_leaves_it",
     "test_hardening.py::test_cli_name_is_checked_before_any_folder_is_made",
     "test_hardening.py::test_cli_name_with_a_path_is_refused_inside_the_output_folder",
     "test_hardening.py::test_rerun_gives_bit_identical_outputs",
@@ -129,6 +130,7 @@ SLOW = (
     "test_quantize_kernel.py::test_quantize_matches_exact_transcription_on_halfway_points",
     "test_report.py::",
     "test_report_browser.py::",
+    "test_threads.py::test_a_run_drops_each_tensor_after_its_last_reader",
     "test_threads.py::test_every_tensor_is_the_same_with_any_number_of_threads",
 )
 NEEDS = {"test_report_browser.py::": "needs_chromium", "test_gpu_opencl.py::": "needs_opencl",
