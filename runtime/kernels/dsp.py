@@ -489,8 +489,9 @@ def _d32_kernel(n_out: int, gemsumb, conv_sums, junk_sums=None, codes=None):
     ``v = in_offset`` at padding; the HVX conv sums are that plus the bias word plus
     ``gemsumb*in_offset`` (each node's own gemsumb, over the channels padded to 32). The min /
     max also covers the padded channels (bias word only) and ``junk_sums(in_offset)``, int64
-    [M, O] sums at computed-but-discarded columns. Sums are cached per ``in_offset``. ``codes``: the
-    requantized sums in one step (:func:`_pointwise_codes`, :func:`_dw_codes`), used instead of ``conv_sums``.
+    [M, O] sums at computed-but-discarded columns (None: there are none). Sums are cached per ``in_offset``.
+    ``codes``: the requantized sums in one step (:func:`_pointwise_codes`, :func:`_dw_codes`), used instead of
+    ``conv_sums``.
     ``ranged=False`` (:func:`_d32_execute`, for a node whose output range is given at both ends, whose retry check
     never reads the min / max): the padded channels and discarded columns are skipped.
     """
@@ -582,39 +583,43 @@ def _dw_junk_index(shape, kernel, strides, before, out_hw):
 
 
 def _dw_junk_sums(x, w, filt_offset: int, strides, before, out_hw):
-    """``junk_sums`` for the depthwise kernel: sums at ``dwise_computed_cols`` outside the output.
+    """``junk_sums`` for the depthwise kernel: ``sums(in_offset)`` -> int64 [M, C], the sums at
+    ``dwise_computed_cols`` outside the output, or None where the kernel computes no such column. Everything is
+    found on the first call (the kernel of a node whose output range is given never calls it).
 
     The kernel reads ``in_offset`` at padding, so each sum of ``(v - in_offset) * (w - filt_offset)`` is
-    ``sum_inside v * wz - in_offset * sum_inside wz``, wrapped to int32 at the end. Both sums run over the
-    KH*KW taps of products below 2^16 (|v|, |wz| <= 255), so float32 holds them exactly for up to 256 taps.
-    """
+    ``sum_inside v * wz - in_offset * sum_inside wz``, wrapped to int32 at the end."""
+    kept = []
+
+    def sums(io):
+        if not kept:
+            kept.append(_dw_junk_parts(x, w, filt_offset, strides, before, out_hw))
+        if kept[0] is None:
+            return None
+        s1, s0 = kept[0]
+        return _wrap32(s1 - io * s0).reshape(-1, x.shape[3])
+
+    return sums
+
+
+def _dw_junk_parts(x, w, filt_offset: int, strides, before, out_hw):
+    """(sum_inside v * wz, sum_inside wz) at the discarded columns (:func:`_dw_junk_sums`), int64, or None. Both
+    sums run over the KH*KW taps of products below 2^16 (|v|, |wz| <= 255): one compiled pass in int32 (equal to the
+    numpy steps: tests/test_dsp_fills.py), else float32 einsums, exact for up to 256 taps."""
     kh, kw = w.shape[:2]
     index = _dw_junk_index(tuple(x.shape), (kh, kw), tuple(strides), tuple(before), tuple(out_hw))
     if index is None:
         return None
     p, ok, q = index
     c = x.shape[3]
-    if jit.available() and q is not None and kh * kw * PRODUCT_MAX < 2 ** 31:  # one compiled pass over the taps
-        # in int32 (equal to the numpy steps below: tests/test_dsp_fills.py)
+    if jit.available() and q is not None and kh * kw * PRODUCT_MAX < 2 ** 31:
         wz = (w[:, :, :, 0].astype(np.int32) - np.int32(filt_offset)).reshape(kh * kw, c)
-        kept = []  # the two sums, found on the first call (none where the node's range needs no min / max)
-
-        def compiled_sums(io):
-            if not kept:
-                kept.extend(jit.dsp_junk_sums(np.ascontiguousarray(x).reshape(-1), q.reshape(-1, kh * kw, c), wz))
-            return _wrap32(kept[0] - io * kept[1])
-
-        return compiled_sums
+        return jit.dsp_junk_sums(np.ascontiguousarray(x).reshape(-1), q.reshape(-1, kh * kw, c), wz)
     dtype = np.float32 if kh * kw <= F32_EXACT_TERMS else np.float64
     wz = w[:, :, :, 0].astype(dtype) - dtype(filt_offset)  # [KH, KW, C]
     v = np.where(ok, x.reshape(-1)[p], 0).astype(dtype)  # [N, OH, J, C, KH, KW]
-    s1 = np.einsum("nhjcab,abc->nhjc", v, wz).astype(np.int64)
-    s0 = np.einsum("nhjcab,abc->nhjc", ok.astype(dtype), wz).astype(np.int64)
-
-    def sums(io):
-        return _wrap32(s1 - io * s0).reshape(-1, c)
-
-    return sums
+    return (np.einsum("nhjcab,abc->nhjc", v, wz).astype(np.int64),
+            np.einsum("nhjcab,abc->nhjc", ok.astype(dtype), wz).astype(np.int64))
 
 
 # ----------------------------------------------------------------------------------------------
