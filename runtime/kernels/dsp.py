@@ -377,8 +377,8 @@ def _packed(w, w_offset: int):
 def _pointwise_codes(x, w, w_offset: int, strides, before, out_hw):
     """For a pointwise convolution on the integer tiles: ``codes(in_offset, word, recip_val, shamt)`` -> (uint8
     [N, OH, OW, O], min raw, max raw), the d32 requantization of the :func:`_conv_sums` sums plus ``word`` [O]
-    computed block by block with no sums kept (intgemm.dsp_pointwise; equal to the two steps: tests/test_dsp_fills.py).
-    None where the sums take another path."""
+    computed block by block with no sums kept (intgemm.dsp_pointwise; equal to the two steps: tests/test_intgemm.py,
+    tests/test_dsp_nnlib.py). None where the sums take another path."""
     if not (_pointwise(x, w, strides, before, out_hw) and jit.gemm_available()):
         return None
     f = _packed(w, w_offset)
