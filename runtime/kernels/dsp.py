@@ -612,9 +612,10 @@ def _dw_junk_parts(x, w, filt_offset: int, strides, before, out_hw):
         return None
     p, ok, q = index
     c = x.shape[3]
-    if jit.available() and q is not None and kh * kw * PRODUCT_MAX < 2 ** 31:
-        wz = (w[:, :, :, 0].astype(np.int32) - np.int32(filt_offset)).reshape(kh * kw, c)
-        return jit.dsp_junk_sums(np.ascontiguousarray(x).reshape(-1), q.reshape(-1, kh * kw, c), wz)
+    wz32 = _dw_offset_filter(w, filt_offset)
+    if wz32 is not None and q is not None:
+        return jit.dsp_junk_sums(np.ascontiguousarray(x).reshape(-1), q.reshape(-1, kh * kw, c),
+                                 wz32.reshape(kh * kw, c))
     dtype = np.float32 if kh * kw <= F32_EXACT_TERMS else np.float64
     wz = w[:, :, :, 0].astype(dtype) - dtype(filt_offset)  # [KH, KW, C]
     v = np.where(ok, x.reshape(-1)[p], 0).astype(dtype)  # [N, OH, J, C, KH, KW]
