@@ -22,6 +22,7 @@ from maceq.runtime.kernels import concat as k_concat
 from maceq.runtime.kernels import conv as k_conv
 from maceq.runtime.kernels import dw3x3_arm as k_dw3
 from maceq.runtime.kernels import eltwise as k_eltwise
+from maceq.runtime.kernels import layout as k_layout
 from maceq.runtime.kernels import pooling as k_pool
 from maceq.runtime.kernels import quantize as k_quant
 from maceq.runtime.kernels import reduce as k_reduce
@@ -449,9 +450,8 @@ class Pad(Kernel):
         x = inputs[0].values
         if x.ndim != 4:
             raise MaceqError(f"uint8 Pad: input must be 4-D NHWC, got shape {x.shape}")
-        before, after = p.paddings[0::2], p.paddings[1::2]
-        y = np.full(tuple(d + lo + hi for d, lo, hi in zip(x.shape, before, after)), p.fill, np.uint8)
-        y[tuple(slice(lo, lo + d) for d, lo in zip(x.shape, before))] = x  # np.pad's constant mode, in one pass
+        pairs = list(zip(p.paddings[0::2], p.paddings[1::2]))
+        y = k_layout.pad(x, pairs, pad_code=p.fill)
         return [QTensor(y, inputs[0].qinfo)]
 
 

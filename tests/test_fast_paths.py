@@ -261,13 +261,79 @@ def test_depthwise_on_a_non_contiguous_input(loops):
         assert np.array_equal(plan(x), want) and np.array_equal(plan(np.ascontiguousarray(x)), want)
 
 
+# ----------------------------------------------------------------------------- im2col rows
+
+def test_im2col_rows_compiled_equal_the_numpy_reference(monkeypatch):
+    """Windows inside, across and wholly outside x (negative padding crops), strides, dilations, integer dtypes:
+    the compiled copy equals the padded-window reference value for value, and ran (counted)."""
+    from maceq.runtime.kernels import jit as k_jit
+
+    calls = Counter()
+    real = k_jit._im2col_rows
+
+    def counted(*args):
+        calls["compiled"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(k_jit, "_im2col_rows", counted)
+    rng = np.random.default_rng(11)
+    for i in range(300):
+        n, h, w, c = (int(v) for v in rng.integers(1, [3, 12, 12, 6]))
+        kh, kw, sh, sw, dh, dw = (int(v) for v in rng.integers(1, 4, 6))
+        top, left = (int(v) for v in rng.integers(-2, 4, 2))
+        geom = dict(kernel=(kh, kw), strides=(sh, sw), dilations=(dh, dw), before=(top, left),
+                    out_hw=tuple(int(v) for v in rng.integers(1, 8, 2)))
+        x = rng.integers(0, 120, (n, h, w, c)).astype([np.uint8, np.int16, np.int32][i % 3])
+        got, want = k_conv.im2col_rows(x, 7 + i % 5, **geom), k_conv.im2col_rows_ref(x, 7 + i % 5, **geom)
+        assert got.dtype == want.dtype and np.array_equal(got, want), (i, geom)
+    assert calls["compiled"] == 300
+    # a first RGB layer: 3x3, stride 2, SAME padding on the right and bottom only
+    x = rng.integers(0, 256, (2, 9, 9, 3), dtype=np.uint8)
+    geom = dict(kernel=(3, 3), strides=(2, 2), dilations=(1, 1), before=(0, 0), out_hw=(5, 5))
+    rows = k_conv.im2col_rows(x, 128, **geom)
+    assert rows.shape == (50, 27) and np.array_equal(rows[0], x[0, :3, :3].reshape(-1))
+    window = rows[4].reshape(3, 3, 3)  # output column 4 reads input columns 8, 9 and 10 (x has 9)
+    assert np.array_equal(window[:, 0], x[0, :3, 8]) and np.array_equal(window[:, 1:], np.full((3, 2, 3), 128))
+
+
+def test_pad_compiled_equals_the_reference_on_every_axis(monkeypatch):
+    """4-D uint8 Pad by one compiled pass: paddings on N, H, W and C (C padding takes the per-pixel loop), empty
+    inputs, equal to layout.pad_ref's element-by-element rule; the compiled pass ran for every non-empty one."""
+    from maceq.runtime.kernels import jit as k_jit
+    from maceq.runtime.kernels import layout as k_layout
+
+    calls = Counter()
+    real = k_jit._pad4
+    monkeypatch.setattr(k_jit, "_pad4", lambda *a: (calls.update(["compiled"]), real(*a))[1])
+    rng = np.random.default_rng(12)
+    for i in range(60):
+        shape = tuple(int(v) for v in rng.integers(0 if i == 59 else 1, [3, 7, 7, 5]))
+        pads = [(int(rng.integers(0, 3)) * (i % 4 == 0 or d > 0), int(rng.integers(0, 3))) for d in range(4)]
+        if i % 3:
+            pads[3] = (0, 0)  # the common form: H and W only, each row's inside copied as one run
+        x = rng.integers(0, 256, shape, dtype=np.uint8)
+        code = int(rng.integers(0, 256))
+        got = k_layout.pad(x, pads, pad_code=code)
+        assert np.array_equal(got, k_layout.pad_ref(x, pads, pad_code=code)), (shape, pads)
+    assert calls["compiled"] == 60  # the last input is empty on an axis: its output is all pad code
+
+
 # ----------------------------------------------------------------------------- FullyConnected
 
-def test_fully_connected_fast_equals_ref():
+def test_fully_connected_fast_equals_ref(loops, monkeypatch):
+    """FullyConnected's sums: compiled in int32 (K up to 33,025) or by float32 / float64 GEMMs, then
+    the int32 wrap with the raw bias and the float requantization; equal to the reference, and the sums' path
+    counted."""
+    from maceq.runtime.kernels import jit as k_jit
+
+    calls = Counter()
+    real = k_jit._fc_sums
+    monkeypatch.setattr(k_jit, "_fc_sums", lambda *a: (calls.update(["compiled"]), real(*a))[1])
     rng = np.random.default_rng(5)
     dts = Counter()
     for i in range(40):
-        n, k, o = int(rng.integers(1, 4)), int(rng.choice([5, 100, 300, 1500])), int(rng.integers(1, 6))
+        k = int(rng.choice([5, 100, 300, 1500])) if i else 33_100
+        n, o = int(rng.integers(1, 4)), int(rng.integers(1, 6))
         x = rng.integers(0, 256, (n, k), dtype=np.uint8)
         wt = rng.integers(0, 256, (o, k), dtype=np.uint8)
         bias = rng.integers(-(1 << 31), (1 << 31) - 1, o).astype(np.int32) if i % 3 else None
@@ -281,7 +347,9 @@ def test_fully_connected_fast_equals_ref():
         q, s = int(rng.integers(1 << 30, 1 << 31)), int(rng.integers(-20, 1))
         assert np.array_equal(fully_connected_fixed(x, wt, bias, **zps, multiplier=q, shift=s),
                               fully_connected_fixed_ref(x, wt, bias, **zps, multiplier=q, shift=s)), i
-    assert dts[2] >= 10 and dts[1] >= 5, dts  # float32 (sgemm) and float64-only plans both ran
+    assert dts[2] >= 10 and dts[1] >= 5, dts  # plans with float32 (sgemm) and float64-only GEMMs
+    # the compiled sums run for every plan but the first (K = 33,100: an int32 sum could wrap), three times a case
+    assert calls["compiled"] == (3 * 39 if loops == "compiled" else 0), calls
 
 
 # ----------------------------------------------------------------------------- Eltwise tables

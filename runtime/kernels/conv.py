@@ -55,6 +55,7 @@ from maceq.runtime.kernels.cfloat import fmaf as _fmaf  # float32 FMA, shared wi
 
 __all__ = [
     "im2col_rows",
+    "im2col_rows_ref",
     "FloatRequant",
     "conv_output_size",
     "mace_pads",
@@ -127,7 +128,16 @@ def conv_output_size(in_size: int, k: int, *, stride: int, dilation: int,
 def im2col_rows(x: np.ndarray, fill, *, kernel, strides, dilations, before, out_hw) -> np.ndarray:
     """[N*OH*OW, KH*KW*C] rows of ``x`` [N, H, W, C] (its dtype): each output position's taps in the filter's
     (KH, KW, C) order, ``fill`` where a tap lies outside x. ``before``: (top, left) padding (negative: cropped);
-    output position (oy, ox) reads x[oy*sh + i*dh - top, ox*sw + j*dw - left]."""
+    output position (oy, ox) reads x[oy*sh + i*dh - top, ox*sw + j*dw - left]. With the compiled loops an integer
+    x is copied by jit.im2col_rows (equal to :func:`im2col_rows_ref`, tests/test_conv.py), else by the reference."""
+    if jit.available() and np.issubdtype(x.dtype, np.integer) and x.ndim == 4 and x.size:
+        return jit.im2col_rows(x, fill, kernel, strides, dilations, before, out_hw)
+    return im2col_rows_ref(x, fill, kernel=kernel, strides=strides, dilations=dilations, before=before,
+                           out_hw=out_hw)
+
+
+def im2col_rows_ref(x: np.ndarray, fill, *, kernel, strides, dilations, before, out_hw) -> np.ndarray:
+    """:func:`im2col_rows` by numpy: x padded with ``fill`` once, then a strided window view copied."""
     n, h, w, c = x.shape
     (kh, kw), (sh, sw), (dh, dw), (top, left), (oh, ow) = kernel, strides, dilations, before, out_hw
     span_h, span_w = (kh - 1) * dh + 1, (kw - 1) * dw + 1
@@ -1190,13 +1200,19 @@ class FullyConnectedPlan:
         self.wt = {np.float64: np.ascontiguousarray(wo.T, dtype=np.float64)}
         if 255 * self.l1_max < _F32_INT:
             self.wt[np.float32] = np.ascontiguousarray(wo.T, dtype=np.float32)
+        # compiled int32 sums: every |w - w_zp| <= 255 and K * 255 * 255 < 2^31 bound each |G| below 2^31
+        small = wo.size and int(np.abs(wo).max()) <= 255 and wo.shape[1] * 255 * 255 < 2 ** 31
+        self.wo16 = np.ascontiguousarray(wo, dtype=np.int16) if small else None
 
     def __call__(self, x) -> np.ndarray:
         x, _ = _fc_setup(x, self.w, "fully_connected")
-        xb = _x_bound(x.dtype, self.x_zp)
-        dt = np.float32 if xb is not None and xb * self.l1_max < _F32_INT and np.float32 in self.wt else np.float64
-        g = np.subtract(x, self.x_zp, dtype=dt) @ self.wt[dt]
-        acc = wrap_int32(_int_acc(g) + self.p.bias)
+        if self.wo16 is not None and x.dtype == np.uint8 and 0 <= self.x_zp <= 255 and jit.available():
+            g = jit.fc_sums(x, self.x_zp, self.wo16).astype(np.int64)  # |x - x_zp| <= 255
+        else:
+            xb = _x_bound(x.dtype, self.x_zp)
+            dt = np.float32 if xb is not None and xb * self.l1_max < _F32_INT and np.float32 in self.wt else np.float64
+            g = _int_acc(np.subtract(x, self.x_zp, dtype=dt) @ self.wt[dt])
+        acc = wrap_int32(g + self.p.bias)
         return requantize_float(acc, multiplier=self.multiplier, out_zp=self.out_zp, rounding=self.rounding,
                                 act_min=self.p.lo, act_max=self.p.hi).astype(np.uint8)
 

@@ -37,6 +37,10 @@ there), so the exactness arguments carry over unchanged:
   convolution, GEMM and requantization per block of rows (float32 sums, or float32 chunks summed in float64). The numpy
   path's float32 steps per element (tests/test_gpu_opencl.py compares them with the numpy path, the
   scalar reference and crafted points where an FMA would differ).
+- ``im2col_rows``: the im2col rows of an integer input (conv.py ``im2col_rows``), a plain copy per output row on
+  numba's threads, for the convolutions that run on them (every device's, past 1x1); ``pad4``: the uint8 Pad's
+  fill and copy in one pass on numba's threads; ``fc_sums``: a uint8 FullyConnected's G in int32 (the
+  offset weights read once per batch, channels on numba's threads).
 - ``d32_requant`` / ``hvx_quantize`` / ``dsp_dw_sums`` / ``dsp_junk_sums``: nnlib's d32 requantization, HVX
   quantizer, depthwise sums and the sums at the depthwise kernel's discarded columns, integer steps only;
   ``dsp_pointwise_sums``: the supernode's pointwise sums by float32 GEMMs whose partial sums are exact
@@ -70,7 +74,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
            "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise", "gpu_requant",
            "hvx_quantize", "dsp_dw_sums", "dsp_dw_codes", "dsp_junk_sums", "dsp_pointwise_sums", "gpu_pointwise",
-           "lut_pairs_range"]
+           "lut_pairs_range", "im2col_rows", "pad4", "fc_sums"]
 
 
 def available() -> bool:
@@ -184,6 +188,95 @@ if njit is not None:
                                 for i in range(m):
                                     acc[i] += src[i] * wk[i]
                 _requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out[n, oy].reshape(1, m))
+
+    @_pjit
+    def _im2col_rows(x, fill, kh, kw, sh, sw, dh, dw, top, left, oh, ow, out):
+        """out[(n*OH + oy)*OW + ox, (i*KW + j)*C + c] = x[n, oy*sh + i*dh - top, ox*sw + j*dw - left, c], ``fill``
+        where that lies outside x; one output row of one image per iteration, a copy (no arithmetic). A window row
+        wholly inside x with dilation 1 is one run of KW*C consecutive values in both."""
+        n_img, h, w, c = x.shape
+        xf, of = x.reshape(-1), out.reshape(-1)
+        run = kw * c
+        for it in prange(n_img * oh):
+            n, oy = it // oh, it % oh
+            for ox in range(ow):
+                ix0 = ox * sw - left
+                whole = dw == 1 and ix0 >= 0 and ix0 + kw <= w
+                for i in range(kh):
+                    iy = oy * sh + i * dh - top
+                    dst = of[((it * ow + ox) * kh + i) * run:]
+                    if iy < 0 or iy >= h:
+                        for q in range(run):
+                            dst[q] = fill
+                    elif whole:
+                        src = xf[((n * h + iy) * w + ix0) * c:]
+                        for q in range(run):
+                            dst[q] = src[q]
+                    else:
+                        for j in range(kw):
+                            ix = ix0 + j * dw
+                            tap = dst[j * c:]
+                            if ix < 0 or ix >= w:
+                                for ch in range(c):
+                                    tap[ch] = fill
+                            else:
+                                src = xf[((n * h + iy) * w + ix) * c:]
+                                for ch in range(c):
+                                    tap[ch] = src[ch]
+
+    @_pjit
+    def _pad4(x, fill, bn, bh, bw, bc, out):
+        """out = x placed at (bn, bh, bw, bc) in ``out`` (4-D), ``fill`` elsewhere: one output row (n, y) per
+        iteration; without channel padding a row's inside is one run of W*C values."""
+        n_in, h, w, c = x.shape
+        n_out, h_out, w_out, c_out = out.shape
+        for it in prange(n_out * h_out):
+            n, y = it // h_out - bn, it % h_out - bh
+            dst = out[it // h_out, it % h_out].reshape(-1)
+            if n < 0 or n >= n_in or y < 0 or y >= h:
+                dst[:] = fill
+                continue
+            src = x[n, y].reshape(-1)
+            lead, inner = bw * c_out, w * c_out
+            for q in range(lead):
+                dst[q] = fill
+            if c_out == c:
+                inside = dst[lead:]
+                for q in range(inner):
+                    inside[q] = src[q]
+            else:
+                for px in range(w):
+                    cell = dst[lead + px * c_out:]
+                    xs = src[px * c:]
+                    for q in range(c_out):
+                        cell[q] = fill
+                    for q in range(c):
+                        cell[bc + q] = xs[q]
+            for q in range(lead + inner, w_out * c_out):
+                dst[q] = fill
+
+    @_pjit
+    def _fc_sums(x, zx, wo, out):
+        """out[r, c] = sum_j (x[r, j] - zx) * wo[c, j] in int32 (the caller checks K * 255 * 255 < 2^31, so no
+        sum wraps): the rows centred once as int16, then blocks of 64 output channels on numba's threads, each
+        channel's offset weights read once for every row."""
+        n, k = x.shape
+        o = wo.shape[0]
+        xc = np.empty((n, k), np.int16)
+        z = np.int16(zx)
+        for r in range(n):
+            xr, cr = x[r], xc[r]
+            for j in range(k):
+                cr[j] = np.int16(xr[j]) - z
+        for t in prange((o + 63) // 64):
+            for c in range(t * 64, min(o, t * 64 + 64)):
+                wr = wo[c]
+                for r in range(n):
+                    cr = xc[r]
+                    acc = np.int32(0)
+                    for j in range(k):
+                        acc += np.int32(cr[j]) * np.int32(wr[j])
+                    out[r, c] = acc
 
     @_jit
     def _gemm(addr, bits64, m, n, k, a, b, c):
@@ -532,6 +625,32 @@ if njit is not None:
                         a0[c] += wt[c]
             s1[m] = a1
             s0[m] = a0
+
+
+def im2col_rows(x: np.ndarray, fill, kernel, strides, dilations, before, out_hw) -> np.ndarray:
+    """conv.im2col_rows's rows of the integer ``x`` [N, H, W, C] (same arguments), copied on numba's threads."""
+    (kh, kw), (sh, sw), (dh, dw), (top, left), (oh, ow) = kernel, strides, dilations, before, out_hw
+    x = np.ascontiguousarray(x)
+    out = np.empty((x.shape[0] * oh * ow, kh * kw * x.shape[3]), x.dtype)
+    _im2col_rows(x, x.dtype.type(fill), kh, kw, sh, sw, dh, dw, top, left, oh, ow, out)
+    return out
+
+
+def pad4(x: np.ndarray, before, after, fill) -> np.ndarray:
+    """The 4-D ``x`` padded by ``before`` / ``after`` (4 each) with ``fill``, as one pass on numba's threads."""
+    out = np.empty(tuple(d + lo + hi for d, lo, hi in zip(x.shape, before, after)), x.dtype)
+    if out.size:
+        _pad4(np.ascontiguousarray(x), x.dtype.type(fill), *(int(v) for v in before), out)
+    return out
+
+
+def fc_sums(x: np.ndarray, x_zp: int, wo: np.ndarray) -> np.ndarray:
+    """int32 [N, O]: G = (x - x_zp) @ wo^T for uint8 x [N, K] and int16 offset weights wo [O, K] (|wo| <= 255,
+    K * 255 * 255 < 2^31: the caller checks), exact in int32."""
+    out = np.empty((x.shape[0], wo.shape[0]), np.int32)
+    with threads.blas_held():
+        _fc_sums(np.ascontiguousarray(x), int(x_zp), wo, out)
+    return out
 
 
 def lut_pairs(a: np.ndarray, b: np.ndarray, body: int, body_table: np.ndarray, tail_table: np.ndarray) -> np.ndarray:
