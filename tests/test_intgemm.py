@@ -160,8 +160,8 @@ def test_conv_plan_takes_the_tiles_and_equals_the_other_paths(c, o, k, strides, 
     x[0, 0, 0] = 255
     plan = k_conv.conv2d_plan(w, bias, **kw)
     calls = []
-    real = intgemm.pointwise_conv
-    monkeypatch.setattr(intgemm, "pointwise_conv", lambda *a: calls.append(1) or real(*a))
+    real = intgemm._pointwise  # the tiles' compiled pass, called once per convolution
+    monkeypatch.setattr(intgemm, "_pointwise", lambda *a: calls.append(1) or real(*a))
     got = plan(x)
     tiled = [1] if intgemm.isa() is Isa.AVX2 or k * k * c % 4 == 0 else []
     assert calls == tiled  # the tiles ran
@@ -183,8 +183,8 @@ def test_stock_mace_mobilenet_v2_taps_on_the_tiles(shared_data, monkeypatch):
     m = load(base / "models" / "mobilenet_v2_cpu" / "mobilenet_v2.yml")
     x = np.load(base / "models" / "mobilenet_v2_cpu" / "inputs.npy")[:1]
     calls = []
-    real = intgemm.pointwise_conv
-    monkeypatch.setattr(intgemm, "pointwise_conv", lambda *a: calls.append(1) or real(*a))
+    real = intgemm._pointwise  # the tiles' compiled pass, called once per convolution
+    monkeypatch.setattr(intgemm, "_pointwise", lambda *a: calls.append(1) or real(*a))
     res = m.run({"input": x}, device="cpu", intermediates=True)
     assert len(calls) >= 25  # MobileNetV2's 1x1 convolutions of 2,048 entries and more
     uint8 = [t for t in meta["taps"] if t["dtype"] == "uint8"]

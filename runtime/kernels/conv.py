@@ -850,6 +850,7 @@ class Conv2dPlan:
         self.rq = _ExactRequant(p, out_zp, l1)
         self._modes: dict = {}
         self._setups: dict = {}
+        self._tile_calls: dict = {}  # (rows, instruction set, threads) -> intgemm.PointwiseCall
         self._mode(np.dtype(np.uint8))  # the runtime's activations: build those matrices now
 
     def _mode(self, dtype) -> tuple:
@@ -903,14 +904,19 @@ class Conv2dPlan:
     def _on_tiles(self, x: np.ndarray, g: _Geometry, pointwise: bool) -> np.ndarray | None:
         """G exact in integers on the AVX-512 VNNI or AVX2 tiles (im2col rows past 1x1, x_zp where a tap lies
         outside x), then the same requantization (runtime/kernels/intgemm.py); None where the tiles do not run."""
-        f = intgemm.packed(self.wo, 0, lambda v: v)
-        if f is None:
-            return None
+        use = intgemm.isa()
+        key = (g.n * g.oh * g.ow, use, jit._num_threads())
+        call = self._tile_calls.get(key)
+        if call is None:
+            f = intgemm.packed(self.wo, 0, lambda v: v)
+            if f is None:
+                return None
+            call = self._tile_calls[key] = intgemm.PointwiseCall(self.x_zp, f, self.rq, key[0])
         rows = x.reshape(-1, g.c) if pointwise else im2col_rows(
             x, self.x_zp, kernel=(g.kh, g.kw), strides=(g.sh, g.sw), dilations=(g.dh, g.dw),
             before=(g.top, g.left), out_hw=(g.oh, g.ow))
         out = np.empty((g.n, g.oh, g.ow, self.w.shape[0]), self.out_dtype)
-        intgemm.pointwise_conv(rows, self.x_zp, f, self.rq, out.reshape(-1, out.shape[3]))
+        call(rows, out.reshape(-1, out.shape[3]))
         return out
 
     def __call__(self, x) -> np.ndarray:

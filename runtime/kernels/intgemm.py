@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
     intrinsic = None
 
 __all__ = ["Isa", "isa", "available", "supported", "PackedFilter", "pack_filter", "packed", "pointwise_sums",
-           "pointwise_conv", "gpu_pointwise", "dsp_pointwise"]
+           "pointwise_conv", "PointwiseCall", "gpu_pointwise", "dsp_pointwise"]
 
 ROWS = 4  # rows of x per tile
 
@@ -82,9 +82,18 @@ def _numba_targets_host() -> bool:
 
 def supported() -> tuple[Isa, ...]:
     """The instruction sets whose tiles can run here, the better first: the compiled loops are on, numba compiles
-    for this CPU, the CPU has them, and ``MACEQ_NO_INTGEMM`` is unset."""
-    if (os.environ.get("MACEQ_NO_INTGEMM", "") not in ("", "0") or intrinsic is None or not jit.available()
-            or not _numba_targets_host()):
+    for this CPU, the CPU has them, and ``MACEQ_NO_INTGEMM`` is unset (read on every call, the answer remembered
+    per setting: a model run asks once per convolution)."""
+    from numba.core import config
+
+    env = os.environ
+    return _supported(env.get("MACEQ_NO_INTGEMM", ""), env.get("MACEQ_NO_JIT", ""), config.CPU_NAME,
+                      config.CPU_FEATURES)
+
+
+@functools.lru_cache(maxsize=16)
+def _supported(no_intgemm: str, no_jit: str, cpu_name, cpu_features) -> tuple[Isa, ...]:
+    if no_intgemm not in ("", "0") or intrinsic is None or not jit.available() or not _numba_targets_host():
         return ()
     f = _host_features()
     return tuple(i for i, ok in ((Isa.VNNI, f.get("avx512f") and f.get("avx512vnni")), (Isa.AVX2, f.get("avx2")))
@@ -418,10 +427,26 @@ def pointwise_conv(x: np.ndarray, x_zp: int, f: PackedFilter, rq, out: np.ndarra
     """1x1 stride-1 convolution of uint8 x [rows, K] with the packed filter, requantized by ``rq`` (conv.py's
     _ExactRequant, affine from G) into out [rows, O]: per block of rows, G by the tiles and the same float64
     requantization as jit.pointwise_conv's."""
-    with threads.blas_held():
-        _pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
-                   _rows_per_block(x.shape[0], f.o), _g_like(f), rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo),
-                   float(rq.hi), jit._mode(affine=True, correct=rq.correct, lo=rq.lo), out)
+    PointwiseCall(x_zp, f, rq, x.shape[0])(x, out)
+
+
+class PointwiseCall:
+    """:func:`pointwise_conv` for ``rows`` rows with its arguments converted once: a model's convolution calls it
+    with the same filter, requantization and row count every run (conv.py keeps one per input shape and thread
+    count; the block size depends on both)."""
+
+    def __init__(self, x_zp: int, f: PackedFilter, rq, rows: int):
+        self.filter = f
+        self.rows = rows
+        self.head = (np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums, _rows_per_block(rows, f.o), _g_like(f),
+                     rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo), float(rq.hi),
+                     jit._mode(affine=True, correct=rq.correct, lo=rq.lo))
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> None:
+        if x.shape[0] != self.rows:
+            raise ValueError(f"PointwiseCall: made for {self.rows} rows, got {x.shape[0]}")
+        with threads.blas_held():
+            _pointwise(np.ascontiguousarray(x), *self.head, out)
 
 
 def dsp_pointwise(x: np.ndarray, x_zp: int, f: PackedFilter, word: np.ndarray, recip_val: int, shamt: int
