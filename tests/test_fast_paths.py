@@ -206,9 +206,13 @@ def test_depthwise_ties_and_the_negative_correction(loops):
     assert np.array_equal(plan(x), depthwise_conv2d_ref(x, w, bias, **kw))
 
 
-def test_depthwise_fast_equals_ref_random(loops):
+def test_depthwise_fast_equals_ref_random(loops, monkeypatch):
+    from maceq.runtime.kernels import jit as k_jit
+
+    real = k_jit._depthwise_rows  # the compiled pass (through the plan's kept DepthwiseCall), counted
+    monkeypatch.setattr(k_jit, "_depthwise_rows", lambda *a: (paths.update(["compiled"]), real(*a))[1])
     rng = np.random.default_rng(4)
-    paths = Counter()
+    paths, fixed_m1 = Counter(), Counter()
     for i in range(120):
         c, mult = int(rng.integers(1, 9)), int(rng.choice([1, 1, 2, 3]))
         kh, kw = int(rng.integers(1, 4)), int(rng.integers(1, 6))  # kw 3: the compiled loop's own case
@@ -240,7 +244,11 @@ def test_depthwise_fast_equals_ref_random(loops):
         plan = depthwise_conv2d_plan(wt, bias, **kw_args)
         paths[plan.path(dtype)] += 1
         assert np.array_equal(plan(x), depthwise_conv2d_ref(x, wt, bias, **kw_args)), i
+        assert np.array_equal(plan(x), depthwise_conv2d_ref(x, wt, bias, **kw_args)), i  # the kept call again
+        fixed_m1[plan.rq is not None and mult == 1 and plan.path(dtype) != "generic"] += 1
     assert paths["g32"] >= 50 and paths["g64"] >= 2 and paths["generic"] >= 5, paths
+    # the compiled pass ran twice for every fixed-point, multiplier-1 case with compiled loops, else never
+    assert paths["compiled"] == (2 * fixed_m1[True] if loops == "compiled" else 0) and fixed_m1[True] >= 30, paths
 
 
 def test_depthwise_on_a_non_contiguous_input(loops):

@@ -1048,6 +1048,7 @@ class DepthwiseConv2dPlan:
         self._taps: dict = {}
         self._setups: dict = {}
         self._jit_w: dict = {}
+        self._jit_calls: dict = {}  # (dtype, input shape, threads) -> jit.DepthwiseCall
 
     def _tap_groups(self, g: _Geometry, dtype) -> list:
         """The kernel columns grouped by the input phase they read (see _column_phases):
@@ -1112,12 +1113,16 @@ class DepthwiseConv2dPlan:
         o = c * mult
         if fixed and mult == 1 and jit.available():  # one compiled pass per output row (runtime/kernels/jit.py)
             out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)
-            key = (np.dtype(dtype).str, g.ow)
-            wt = self._jit_w.get(key)
-            if wt is None:  # the offset filter tiled along an output row: [KH, KW, OW*C]
-                wt = np.broadcast_to(self.wo[:, :, None, :, 0], (kh, kw, g.ow, c)).astype(dtype)
-                wt = self._jit_w[key] = wt.reshape(kh, kw, g.ow * c)
-            jit.depthwise_fixed(x, self.x_zp, wt, g, self.rq.tiles(g.ow), self.rq, out)
+            key = (np.dtype(dtype).str, x.shape, jit._num_threads())
+            call = self._jit_calls.get(key)
+            if call is None:
+                wkey = (np.dtype(dtype).str, g.ow)
+                wt = self._jit_w.get(wkey)
+                if wt is None:  # the offset filter tiled along an output row: [KH, KW, OW*C]
+                    wt = np.broadcast_to(self.wo[:, :, None, :, 0], (kh, kw, g.ow, c)).astype(dtype)
+                    wt = self._jit_w[wkey] = wt.reshape(kh, kw, g.ow * c)
+                call = self._jit_calls[key] = jit.DepthwiseCall(self.x_zp, wt, g, self.rq.tiles(g.ow), self.rq)
+            call(x, out)
             return out
         groups = self._tap_groups(g, dtype)
         out = np.empty((g.n, g.oh, g.ow, o), self.out_dtype)

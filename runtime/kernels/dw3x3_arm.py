@@ -275,6 +275,8 @@ class Fast3x3Edges:
         self.bias = np.zeros(self.c, np.int64) if bias is None else np.asarray(bias, np.int64).reshape(self.c)
         self.x_zp, self.out_zp, self.q, self.shift = int(x_zp), int(out_zp), int(multiplier), int(shift)
         self._tables: dict = {}
+        #: per input shape: the fast path's geometry where its border departs from the convolution, else None
+        self.defects: dict = {}
 
     def _table(self, s: Fast3x3Shape):
         hit = self._tables.get(s)

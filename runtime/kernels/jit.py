@@ -74,7 +74,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
            "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise", "gpu_requant",
            "hvx_quantize", "dsp_dw_sums", "dsp_dw_codes", "dsp_junk_sums", "dsp_pointwise_sums", "gpu_pointwise",
-           "lut_pairs_range", "im2col_rows", "pad4", "fc_sums"]
+           "lut_pairs_range", "im2col_rows", "pad4", "fc_sums", "DepthwiseCall"]
 
 
 def available() -> bool:
@@ -859,8 +859,19 @@ def depthwise_fixed(x: np.ndarray, x_zp: int, wt: np.ndarray, g, tiles, rq, out:
     ``x_zp``, geometry ``g``) with the offset filter tiled along the output row, ``wt`` [KH, KW, OW*C]
     (float32 or float64: the accumulator type), requantized by ``rq`` with its vectors ``tiles``
     (rq.tiles(OW)) into ``out`` [N, OH, OW, C]."""
-    per_thread = -(-(g.n * g.oh) // (4 * max(1, _num_threads())))  # about 4 blocks per thread
-    rows = max(1, min(g.oh, per_thread, 16))
-    _depthwise_rows(x, int(x_zp), wt, g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, rows, tiles.scale,
-                    tiles.offset, tiles.y_theta, tiles.step, float(rq.lo), float(rq.hi),
-                    _mode(affine=True, correct=rq.correct, lo=rq.lo), out)
+    DepthwiseCall(x_zp, wt, g, tiles, rq)(x, out)
+
+
+class DepthwiseCall:
+    """:func:`depthwise_fixed` for one geometry with its arguments converted once (conv.py keeps one per input
+    shape and thread count: the rows per block depend on both)."""
+
+    def __init__(self, x_zp: int, wt: np.ndarray, g, tiles, rq):
+        per_thread = -(-(g.n * g.oh) // (4 * max(1, _num_threads())))  # about 4 blocks per thread
+        rows = max(1, min(g.oh, per_thread, 16))
+        self.head = (int(x_zp), wt, g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, rows)
+        self.tail = (tiles.scale, tiles.offset, tiles.y_theta, tiles.step, float(rq.lo), float(rq.hi),
+                     _mode(affine=True, correct=rq.correct, lo=rq.lo))
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> None:
+        _depthwise_rows(x, *self.head, *self.tail, out)
