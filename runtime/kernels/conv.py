@@ -1121,7 +1121,7 @@ class DepthwiseConv2dPlan:
                 if wt is None:  # the offset filter tiled along an output row: [KH, KW, OW*C]
                     wt = np.broadcast_to(self.wo[:, :, None, :, 0], (kh, kw, g.ow, c)).astype(dtype)
                     wt = self._jit_w[wkey] = wt.reshape(kh, kw, g.ow * c)
-                call = self._jit_calls[key] = jit.DepthwiseCall(self.x_zp, wt, g, self.rq.tiles(g.ow), self.rq)
+                call = self._jit_calls[key] = jit.DepthwiseCall(self.x_zp, wt, g, self.rq)
             call(x, out)
             return out
         groups = self._tap_groups(g, dtype)

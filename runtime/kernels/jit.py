@@ -125,8 +125,9 @@ if njit is not None:
                         mode, out):
         """Depthwise convolution, channel multiplier 1, of x [N, H, W, C] (integer codes, zero point zp,
         padding top/left and whatever the output size implies) with the offset filter tiled along the
-        output row, ``wt`` [KH, KW, OW*C]; requantized like _requant_rows with per-channel vectors
-        tiled to OW*C, into ``out`` [N, OH, OW, C].
+        output row, ``wt`` [KH, KW, OW*C]; requantized like _requant_rows with the per-channel vectors [C]
+        (each output row's sums seen as [OW, C]: the vectors stay in L1, where vectors tiled to OW*C came from
+        L2), into ``out`` [N, OH, OW, C].
 
         One iteration (one thread) takes ``rows`` output rows of one image. It first centres the input
         rows they read into a local buffer, zero padded and split by padded column modulo the stride
@@ -187,7 +188,7 @@ if njit is not None:
                             else:
                                 for i in range(m):
                                     acc[i] += src[i] * wk[i]
-                _requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out[n, oy].reshape(1, m))
+                _requant_rows(acc.reshape(ow, c), scale, offset, y_theta, step, lo, hi, mode, out[n, oy])
 
     @_pjit
     def _im2col_rows(x, fill, kh, kw, sh, sw, dh, dw, top, left, oh, ow, out):
@@ -854,23 +855,23 @@ def requant_store(g: np.ndarray, rq, dst: np.ndarray, *, affine: bool, channels:
                   float(rq.lo), float(rq.hi), _mode(affine=affine, correct=rq.correct, lo=rq.lo), dst)
 
 
-def depthwise_fixed(x: np.ndarray, x_zp: int, wt: np.ndarray, g, tiles, rq, out: np.ndarray) -> None:
+def depthwise_fixed(x: np.ndarray, x_zp: int, wt: np.ndarray, g, rq, out: np.ndarray) -> None:
     """Depthwise convolution (channel multiplier 1) of the integer input ``x`` [N, H, W, C] (zero point
     ``x_zp``, geometry ``g``) with the offset filter tiled along the output row, ``wt`` [KH, KW, OW*C]
-    (float32 or float64: the accumulator type), requantized by ``rq`` with its vectors ``tiles``
-    (rq.tiles(OW)) into ``out`` [N, OH, OW, C]."""
-    DepthwiseCall(x_zp, wt, g, tiles, rq)(x, out)
+    (float32 or float64: the accumulator type), requantized by ``rq`` (its per-channel vectors) into
+    ``out`` [N, OH, OW, C]."""
+    DepthwiseCall(x_zp, wt, g, rq)(x, out)
 
 
 class DepthwiseCall:
     """:func:`depthwise_fixed` for one geometry with its arguments converted once (conv.py keeps one per input
     shape and thread count: the rows per block depend on both)."""
 
-    def __init__(self, x_zp: int, wt: np.ndarray, g, tiles, rq):
+    def __init__(self, x_zp: int, wt: np.ndarray, g, rq):
         per_thread = -(-(g.n * g.oh) // (4 * max(1, _num_threads())))  # about 4 blocks per thread
         rows = max(1, min(g.oh, per_thread, 16))
         self.head = (int(x_zp), wt, g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, rows)
-        self.tail = (tiles.scale, tiles.offset, tiles.y_theta, tiles.step, float(rq.lo), float(rq.hi),
+        self.tail = (rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo), float(rq.hi),
                      _mode(affine=True, correct=rq.correct, lo=rq.lo))
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> None:
