@@ -51,7 +51,8 @@ def test_tiles_equal_int64_sums(isa, rows, k, o):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows, k, o", [(1, 16, 3), (37, 40, 33), (1001, 96, 24), (6, 300, 70)])
+@pytest.mark.parametrize("rows, k, o", [(1, 16, 3), (37, 40, 33), (1001, 96, 24), (6, 300, 70), (37, 40, 32),
+                                        (1001, 24, 64)])
 def test_dsp_codes_on_the_tiles_equal_sums_then_requant(isa, rows, k, o):
     # nnlib's d32 requantization block by block from the tiles' sums (no sums kept) equals the sums, then the
     # requantization: codes and the min / max raw values, over shifts up to 31 and the largest multiplier
@@ -69,6 +70,30 @@ def test_dsp_codes_on_the_tiles_equal_sums_then_requant(isa, rows, k, o):
         want = jit.d32_requant(sums, recip, shamt, word)
         assert np.array_equal(got[0], want[0]) and got[1:] == want[1:]
     assert 0 < np.count_nonzero((want[0] > 0) & (want[0] < 255))  # the last case: codes inside (0, 255) too
+
+
+@pytest.mark.parametrize("isa", [_isa_param(Isa.AVX2)])
+@pytest.mark.parametrize("rows, k, o", [(3, 16, 16), (1001, 16, 96), (70, 27, 32), (2050, 144, 24), (9, 320, 1280)])
+def test_avx2_codes_from_sums_stored_straight_or_through_a_tile(isa, rows, k, o):
+    # AVX2 blocks keep G in int32: with O a multiple of 16 the tiles store into G itself (each block has whole
+    # tiles of rows: row counts past a multiple of 4, several blocks), else through a 4 x 16k tile; the codes equal
+    # the int64 sums requantized by the same compiled steps
+    from maceq.runtime.kernels import conv as k_conv
+    from maceq.runtime.kernels import jit
+
+    rng = np.random.default_rng(rows + k + o)
+    w, bias, kw = _plan_case(rng, k, o)
+    rq = k_conv.conv2d_plan(w, bias, **kw).rq
+    wo = w.reshape(o, k).astype(np.int64) - kw["w_zp"]
+    f = intgemm.PackedFilter(wo, isa)
+    assert intgemm._g_like(f).dtype == np.int32 and (f.n16 == o) == (o % 16 == 0)  # the store each case takes
+    x = rng.integers(0, 256, (rows, k), dtype=np.uint8)
+    x[0] = 255
+    got = np.empty((rows, o), np.uint8)
+    intgemm.pointwise_conv(x, kw["x_zp"], f, rq, got)
+    want = np.empty((rows, o), np.uint8)
+    jit.requant_store((x.astype(np.int64) - kw["x_zp"]) @ wo.T, rq, want, affine=True)
+    assert np.array_equal(got, want) and 0 < np.count_nonzero((want > 0) & (want < 255))
 
 
 @pytest.mark.parametrize("isa", [_isa_param(Isa.AVX2)])

@@ -308,16 +308,37 @@ if intrinsic is not None:
                 for c in range(o):
                     gr[c] = np.int64(pr[c]) - shift[c] * r64 - corr[c]
 
+    def _tiles_into(a, lda, b, b_stride, c, c_off, n16, steps):
+        """AVX2: the 4 rows of a times every 16 channels of b into the int32 c from c_off (rows n16 apart);
+        compiled code only. For a c of another type (an int64 G) it compiles to nothing and is never called."""
+        raise NotImplementedError("compiled code only")
+
+    @overload(_tiles_into, jit_options=dict(nogil=True, boundscheck=False, error_model="numpy"))
+    def _tiles_into_typed(a, lda, b, b_stride, c, c_off, n16, steps):
+        if c.dtype != types.int32:
+            return lambda a, lda, b, b_stride, c, c_off, n16, steps: None
+
+        def impl(a, lda, b, b_stride, c, c_off, n16, steps):
+            for n0 in range(0, n16, 16):
+                _tile16(a, np.int64(0), lda, b, np.int64(n0 * 2), b_stride, c, np.int64(c_off + n0), np.int64(n16),
+                        steps)
+        return impl
+
     @_jit
     def _block_sums16(x, r0, m, zx, b, n16, g):
-        """AVX2: g[:m, :O] (int64) = G for the m rows of x from r0: per 4 rows x - zx as int16 (K padded to even with
-        a zero), then the tiles of 16 channels; their int32 sums are G."""
+        """AVX2: g[:m, :O] (int64, or int32) = G for the m rows of x from r0: per 4 rows x - zx as int16 (K padded to
+        even with a zero), then the tiles of 16 channels; their int32 sums are G (stored through p, or straight
+        into an int32 g whose O is a multiple of 16 and which has whole tiles of rows)."""
         k = x.shape[1]
         kp = k + k % 2
         a = np.zeros((ROWS, kp), np.int16)  # the padding column stays 0; rows past m keep older values (unused)
         p = np.empty((ROWS, n16), np.int32)
         af, pf = a.reshape(-1), p.reshape(-1)
         o = g.shape[1]
+        # int32 G, O a multiple of 16 and whole tiles of rows in g: the tiles store into g itself (8-11% faster on
+        # MobileNetV2's 1x1 shapes than through p)
+        direct = g.itemsize == 4 and o == n16 and g.shape[0] >= -(-m // ROWS) * ROWS
+        gf = g.reshape(-1)
         lda, b_stride, steps, z = np.int64(kp), np.int64(n16 * 2), np.int64(kp // 2), np.int16(zx)
         for q in range(0, m, ROWS):
             rows = min(ROWS, m - q)
@@ -325,6 +346,9 @@ if intrinsic is not None:
                 xr, ar = x[r0 + q + i], a[i]
                 for j in range(k):
                     ar[j] = np.int16(xr[j]) - z  # in [-255, 255]
+            if direct:
+                _tiles_into(af, lda, b, b_stride, gf, q * o, n16, steps)
+                continue
             for n0 in range(0, n16, 16):
                 _tile16(af, np.int64(0), lda, b, np.int64(n0 * 2), b_stride, pf, np.int64(n0), np.int64(n16), steps)
             for i in range(rows):
@@ -359,9 +383,9 @@ if intrinsic is not None:
         for t in prange((x.shape[0] + block - 1) // block):
             r0 = t * block
             m = min(block, x.shape[0] - r0)
-            g = np.empty((m, out.shape[1]), gz.dtype)
+            g = np.empty((-(-m // ROWS) * ROWS, out.shape[1]), gz.dtype)  # whole tiles of rows
             _block_sums(x, r0, m, zx, b, n16, shift, wsums, g)
-            jit._requant_rows(g, scale, offset, y_theta, step, lo, hi, mode, out[r0:r0 + m])
+            jit._requant_rows(g[:m], scale, offset, y_theta, step, lo, hi, mode, out[r0:r0 + m])
 
 
     @_pjit
@@ -372,9 +396,9 @@ if intrinsic is not None:
         for t in prange((x.shape[0] + block - 1) // block):
             r0 = t * block
             m = min(block, x.shape[0] - r0)
-            g = np.empty((m, out.shape[1]), gz.dtype)
+            g = np.empty((-(-m // ROWS) * ROWS, out.shape[1]), gz.dtype)  # whole tiles of rows
             _block_sums(x, r0, m, zx, b, n16, shift, wsums, g)
-            lo, hi = jit._d32_requant(g, word, recip_val, shamt, out[r0:r0 + m])
+            lo, hi = jit._d32_requant(g[:m], word, recip_val, shamt, out[r0:r0 + m])
             lims[t, 0] = lo
             lims[t, 1] = hi
 
@@ -389,7 +413,7 @@ if intrinsic is not None:
         for t in prange((x.shape[0] + block - 1) // block):
             r0 = t * block
             m = min(block, x.shape[0] - r0)
-            g = np.empty((m, out.shape[1]), gz.dtype)
+            g = np.empty((-(-m // ROWS) * ROWS, out.shape[1]), gz.dtype)  # whole tiles of rows
             _block_sums(x, r0, m, zx, b, n16, shift, wsums, g)
             for i in range(m):
                 gr, dst = g[i], out[r0 + i]
