@@ -159,7 +159,6 @@ if njit is not None:
                     for ch in range(c):
                         dst[ch] = wt.dtype.type(src[ch]) - z
             acc = np.empty(m, wt.dtype)
-            g = acc.reshape(1, m)
             for oy in range(oy0, oy1):
                 for ky in range(kh):
                     row = buf[(oy - oy0) * sh + ky * dh]
