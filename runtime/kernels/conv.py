@@ -129,7 +129,8 @@ def im2col_rows(x: np.ndarray, fill, *, kernel, strides, dilations, before, out_
     """[N*OH*OW, KH*KW*C] rows of ``x`` [N, H, W, C] (its dtype): each output position's taps in the filter's
     (KH, KW, C) order, ``fill`` where a tap lies outside x. ``before``: (top, left) padding (negative: cropped);
     output position (oy, ox) reads x[oy*sh + i*dh - top, ox*sw + j*dw - left]. With the compiled loops an integer
-    x is copied by jit.im2col_rows (equal to :func:`im2col_rows_ref`, tests/test_fast_paths.py), else by the reference."""
+    x is copied by jit.im2col_rows (equal to :func:`im2col_rows_ref`: tests/test_fast_paths.py), else by the
+    reference."""
     if jit.available() and np.issubdtype(x.dtype, np.integer) and x.ndim == 4 and x.size:
         return jit.im2col_rows(x, fill, kernel, strides, dilations, before, out_hw)
     return im2col_rows_ref(x, fill, kernel=kernel, strides=strides, dilations=dilations, before=before,
