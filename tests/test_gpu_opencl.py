@@ -686,3 +686,48 @@ def test_errors_are_maceq_errors():
         g.gpu_max_pool(x, kernel=(2, 2), strides=(1, 1), pads=(2, 0, 0, 0))
     with pytest.raises(MaceqError, match="alpha"):
         g.gpu_half_activation(np.zeros(2, np.float16), kind=g.GpuActivation.SIGMOID, alpha=0.1)
+
+
+@pytest.mark.unit
+def test_gpu_plan_keeps_one_call_per_input_shape(monkeypatch):
+    """A model's convolution (runtime/ops_gpu.py GpuConvPlan.run on the simulation) checks and converts its arguments
+    on its first run with an input shape and reuses them: every later input of that shape gives the scalar
+    reference's codes, other weights or another shape make a new call, and the FullyConnected's weights reshaped on
+    every run count as the same weights."""
+    from maceq.runtime import ops_gpu
+
+    rng = np.random.default_rng(41)
+    made = []
+    for kind in ("conv2d", "depthwise_conv2d", "fully_connected"):
+        real = getattr(g, f"gpu_{kind}_call")
+        monkeypatch.setattr(g, f"gpu_{kind}_call", lambda *a, _real=real, _kind=kind, **k: made.append(_kind)
+                            or _real(*a, **k))
+    o = 6
+    w = rng.integers(-128, 128, (o, 3, 3, 8), dtype=np.int8)
+    bias = rng.integers(-3000, 3000, o).astype(np.int32)
+    scale = g.gpu_requant_scales(F32(0.02), rng.uniform(1e-3, 1e-2, o).astype(F32), F32(0.05))
+    plan = ops_gpu.GpuConvPlan(ops_gpu.NUMPY, scale)
+    kw = dict(x_zp=9, out_zp=120, strides=(1, 2), pads=(1, 1, 1, 0), dilations=(1, 1))
+    for shape in [(1, 5, 7, 8), (1, 5, 7, 8), (1, 5, 7, 8), (2, 4, 6, 8)]:
+        x = rng.integers(0, 256, shape, dtype=np.uint8)
+        assert np.array_equal(plan.run("conv2d", x, w, bias, **kw), g.gpu_conv2d_ref(x, w, bias, scale_c=scale, **kw))
+    assert made == ["conv2d", "conv2d"]
+    w2 = w.copy()
+    w2[0, 0, 0, 0] ^= 1
+    assert np.array_equal(plan.run("conv2d", x, w2, bias, **kw), g.gpu_conv2d_ref(x, w2, bias, scale_c=scale, **kw))
+    assert made == ["conv2d"] * 3
+    with pytest.raises(MaceqError, match="made for uint8 input"):
+        plan.calls[x.shape][-1](x[:1])
+    wd = rng.integers(-128, 128, (3, 3, o, 1), dtype=np.int8)
+    dplan = ops_gpu.GpuConvPlan(ops_gpu.NUMPY, scale)
+    for _ in range(2):
+        x = rng.integers(0, 256, (1, 5, 7, o), dtype=np.uint8)
+        assert np.array_equal(dplan.run("depthwise_conv2d", x, wd, bias, **kw),
+                              g.gpu_depthwise_conv2d_ref(x, wd, bias, scale_c=scale, **kw))
+    wf = rng.integers(-128, 128, (o, 2, 2, 8), dtype=np.int8)
+    fplan = ops_gpu.GpuConvPlan(ops_gpu.NUMPY, scale)
+    for _ in range(3):
+        x = rng.integers(0, 256, (2, 32), dtype=np.uint8)
+        assert np.array_equal(fplan.run("fully_connected", x, wf.reshape(o, -1), bias, x_zp=3, out_zp=7),
+                              g.gpu_fully_connected_ref(x, wf.reshape(o, -1), bias, x_zp=3, out_zp=7, scale_c=scale))
+    assert made[3:] == ["depthwise_conv2d", "fully_connected"]

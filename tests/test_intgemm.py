@@ -10,7 +10,7 @@ import pytest
 
 from maceq.runtime import load
 from maceq.runtime.kernels import conv as k_conv
-from maceq.runtime.kernels import intgemm
+from maceq.runtime.kernels import intgemm, jit
 from maceq.runtime.kernels.intgemm import Isa
 
 pytestmark = pytest.mark.skipif(not intgemm.available(), reason="this CPU has neither AVX-512 VNNI nor AVX2 (or "
@@ -226,8 +226,8 @@ def test_gpu_convolutions_on_the_tiles_equal_the_other_paths(monkeypatch):
 
     rng = np.random.default_rng(9)
     calls = []
-    real = intgemm.gpu_pointwise
-    monkeypatch.setattr(intgemm, "gpu_pointwise", lambda *a: calls.append(1) or real(*a))
+    real = intgemm.GpuPointwiseCall.__call__
+    monkeypatch.setattr(intgemm.GpuPointwiseCall, "__call__", lambda self, x: calls.append(1) or real(self, x))
     cases = [(64, 48, 1, (1, 1), (0, 0, 0, 0), 50_000), (300, 12, 1, (1, 1), (0, 0, 0, 0), 50_000),
              (24, 96, 1, (1, 1), (0, 0, 0, 0), 2 ** 26), (40, 64, 3, (2, 1), (1, 0, 2, 1), 50_000)]
     for c, o, k, st, pads, bias_max in cases:
@@ -245,14 +245,21 @@ def test_gpu_convolutions_on_the_tiles_equal_the_other_paths(monkeypatch):
         want = g.gpu_conv2d_ref(x[:1, :3], w, bias, **kw) if k == 1 else g.gpu_conv2d_ref(x, w, bias, **kw)
         assert np.array_equal(got[:1, :3] if k == 1 else got, want)
         assert 0 < np.count_nonzero((want > 0) & (want < 255))
-    x = rng.integers(0, 256, (3, 700), dtype=np.uint8)
+    # the FullyConnected: from 4 rows on the tiles, fewer by the int32 sums of jit.fc_sums
+    few = []
+    real_fc = jit.fc_sums
+    monkeypatch.setattr(jit, "fc_sums", lambda *a: few.append(1) or real_fc(*a))
     w = rng.integers(-127, 128, (9, 700), dtype=np.int8)
+    w[0, :] = -127
     bias = rng.integers(-2 ** 20, 2 ** 20, 9).astype(np.int32)
     kw = dict(x_zp=40, out_zp=120, scale_c=g.gpu_requant_scales(np.float32(0.02), np.float32(
         rng.uniform(1e-4, 1e-3, 9)).astype(np.float32), np.float32(0.5)))
-    got = g.gpu_fully_connected(x, w, bias, **kw)
-    assert np.array_equal(got, g.gpu_fully_connected_ref(x, w, bias, **kw))
-    assert calls == [1] * (len(cases) + 1)
+    for rows in (3, 5, 1):
+        x = rng.integers(0, 256, (rows, 700), dtype=np.uint8)
+        x[0] = 255
+        got = g.gpu_fully_connected(x, w, bias, **kw)
+        assert np.array_equal(got, g.gpu_fully_connected_ref(x, w, bias, **kw))
+    assert calls == [1] * (len(cases) + 1) and few == [1, 1]
 
 
 @pytest.mark.parametrize("case", [((1, 1), 300, 16, (1, 1), (0, 0), (6, 6)), ((3, 3), 40, 64, (2, 1), (1, 1), (3, 8)),

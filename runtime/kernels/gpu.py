@@ -35,6 +35,7 @@ definition (from the issue); docs/semantics.md lists the differences.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from collections.abc import Sequence
@@ -58,7 +59,11 @@ __all__ = [
     "gpu_inverse_scale",
     "gpu_requantize_acc",
     "gpu_requantize_acc_ref",
+    "ConvCall",
     "gpu_conv2d",
+    "gpu_conv2d_call",
+    "gpu_depthwise_conv2d_call",
+    "gpu_fully_connected_call",
     "gpu_conv2d_ref",
     "gpu_depthwise_conv2d",
     "gpu_depthwise_conv2d_ref",
@@ -365,6 +370,23 @@ def _conv_ref(a: ConvArgs) -> np.ndarray:
     return out
 
 
+class ConvCall:
+    """A convolution of the simulation (:func:`gpu_conv2d`, :func:`gpu_depthwise_conv2d`,
+    :func:`gpu_fully_connected`) for one input shape, its arguments checked and converted once: ``call(x)`` gives
+    the codes that function gives for a uint8 ``x`` of that shape. A model's convolution runs with the same
+    weights, bias and scales every run (runtime/ops_gpu.py keeps one per op and input shape)."""
+
+    def __init__(self, shape: tuple, run):
+        self.shape = tuple(shape)
+        self._run = run
+
+    def __call__(self, x) -> np.ndarray:
+        x = np.asarray(x)
+        if x.shape != self.shape or x.dtype != np.uint8:
+            raise MaceqError(f"gpu convolution: made for uint8 input {self.shape}, got {x.dtype} {x.shape}")
+        return self._run(x)
+
+
 def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 1),
                pads=(0, 0, 0, 0), dilations=(1, 1)) -> np.ndarray:
     """Contract: kernel ``conv2d_u8`` (runtime/opencl/conv.cl).
@@ -383,21 +405,35 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
     sum is a ``uint`` (defined wrap modulo 2^32), equal to the int32 sum while K < 2^16. This
     path sums exactly on float64 BLAS (exact while K < 2^38) and wraps like the kernel.
     """
+    return gpu_conv2d_call(x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c, strides=strides, pads=pads,
+                           dilations=dilations)(x)
+
+
+def gpu_conv2d_call(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 1),
+                    pads=(0, 0, 0, 0), dilations=(1, 1)) -> ConvCall:
+    """:func:`gpu_conv2d` for inputs of ``x``'s shape, as a :class:`ConvCall`; the same arguments."""
     a = conv_args("gpu_conv2d", x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c, strides=strides,
                   pads=pads, dilations=dilations, depthwise=False)
     k = a.kh * a.kw * a.c
     path = sum_path(k, a.bias, _F32 if k <= F32_EXACT_TERMS else np.float64)
     f = intgemm.packed(a.w, 0, _rows_of) if path != "wrap" else None
+    shape = (a.x.shape[0], a.oh, a.ow, a.o)
     if f is not None:  # the same sums exactly in integers on the integer tiles (runtime/kernels/intgemm.py)
-        return intgemm.gpu_pointwise(_im2col_rows(a), a.x_zp, f, a.bias, a.scale, a.out_zp).reshape(
-            a.x.shape[0], a.oh, a.ow, a.o)
+        tiles = intgemm.GpuPointwiseCall(a.x_zp, f, a.bias, a.scale, a.out_zp)
+        return ConvCall(a.x.shape, lambda x: tiles(_im2col_rows(a, x)).reshape(shape))
     if path != "wrap" and jit.gemm_available():
         # the sums below (in any order: exact integers) and _requantize_sums' steps per block of rows, compiled;
         # other than 1x1 convs, on the im2col rows of x (tests/test_gpu_opencl.py)
         wt = _gemm_filter(a.w)
-        out = jit.gpu_pointwise(_im2col_rows(a), a.x_zp, wt, a.bias, a.scale, a.out_zp, chunk=F32_EXACT_TERMS,
-                                wide=path == "float64")
-        return out.reshape(a.x.shape[0], a.oh, a.ow, a.o)
+        return ConvCall(a.x.shape, lambda x: jit.gpu_pointwise(
+            _im2col_rows(a, x), a.x_zp, wt, a.bias, a.scale, a.out_zp, chunk=F32_EXACT_TERMS,
+            wide=path == "float64").reshape(shape))
+    return ConvCall(a.x.shape, lambda x: _conv2d_taps(dataclasses.replace(a, x=x)).reshape(shape))
+
+
+def _conv2d_taps(a: ConvArgs) -> np.ndarray:
+    """:func:`gpu_conv2d`'s codes [N*OH*OW, O] by numpy's float GEMMs, tap by tap (exact: float32 chunks of at
+    most F32_EXACT_TERMS channels, summed in float64)."""
     wf = derived(a.w, "gpu_f32", lambda v: v.astype(_F32))
     if a.kh * a.kw == 1 and a.c <= F32_EXACT_TERMS:  # one float32 GEMM, exact as it stands
         view = next(_taps(a))[2]
@@ -409,8 +445,7 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
             for k0 in range(0, a.c, F32_EXACT_TERMS):  # float32 GEMMs of exact chunks, summed exactly in float64
                 k1 = min(a.c, k0 + F32_EXACT_TERMS)
                 acc += rows[:, k0:k1] @ wf[:, i, j, k0:k1].T
-    out = _requantize_sums(acc, a, a.kh * a.kw * a.c)
-    return out.reshape(a.x.shape[0], a.oh, a.ow, a.o)
+    return _requantize_sums(acc, a, a.kh * a.kw * a.c)
 
 
 def _gemm_filter(w: np.ndarray) -> np.ndarray:
@@ -423,12 +458,13 @@ def _rows_of(w: np.ndarray) -> np.ndarray:
     return w.reshape(w.shape[0], -1).astype(np.int64)
 
 
-def _im2col_rows(a: ConvArgs) -> np.ndarray:
-    """uint8 [N*OH*OW, KH*KW*C]: each output position's taps in the filter's (KH, KW, C) order, ``x_zp`` where a
-    tap lies outside the image (it then adds (x_zp - x_zp) * w = 0, as the kernel's skipped tap does)."""
+def _im2col_rows(a: ConvArgs, x: np.ndarray) -> np.ndarray:
+    """uint8 [N*OH*OW, KH*KW*C] of the input ``x`` (of a.x's shape): each output position's taps in the filter's
+    (KH, KW, C) order, ``x_zp`` where a tap lies outside the image (it then adds (x_zp - x_zp) * w = 0, as the
+    kernel's skipped tap does)."""
     if a.kh == a.kw == 1 and a.strides == (1, 1) and not any(a.pads):
-        return a.x.reshape(-1, a.c)
-    return im2col_rows(a.x, a.x_zp, kernel=(a.kh, a.kw), strides=a.strides, dilations=a.dilations,
+        return x.reshape(-1, a.c)
+    return im2col_rows(x, a.x_zp, kernel=(a.kh, a.kw), strides=a.strides, dilations=a.dilations,
                        before=a.pads[:2], out_hw=(a.oh, a.ow))
 
 
@@ -480,14 +516,28 @@ def gpu_depthwise_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, st
     ``acc = wrap32(bias[oc] + sum_{kh,kw in image} (x[n, ih, iw, c] - x_zp) * w[kh, kw, c, m])``,
     then the requantization of :func:`gpu_conv2d` with ``scale_c[oc]``. Geometry as Conv2D.
     """
+    return gpu_depthwise_conv2d_call(x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c, strides=strides,
+                                     pads=pads, dilations=dilations)(x)
+
+
+def gpu_depthwise_conv2d_call(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 1),
+                              pads=(0, 0, 0, 0), dilations=(1, 1)) -> ConvCall:
+    """:func:`gpu_depthwise_conv2d` for inputs of ``x``'s shape, as a :class:`ConvCall`; the same arguments."""
     a = conv_args("gpu_depthwise_conv2d", x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c,
                   strides=strides, pads=pads, dilations=dilations, depthwise=True)
-    n = a.x.shape[0]
     exact32 = a.kh * a.kw <= F32_EXACT_TERMS  # the tap-by-tap float32 sum stays an exact integer
     if a.m == 1 and exact32 and jit.available() and sum_path(a.kh * a.kw, a.bias, _F32) == "float32":
         # the same float32 steps in one compiled pass (equal to the numpy path below: tests/test_gpu_opencl.py)
-        return jit.gpu_depthwise(a.x, a.x_zp, derived(a.w, "gpu_dw_f32", lambda v: v[:, :, :, 0].astype(_F32)),
-                                 a.bias.astype(_F32), a.scale, a.out_zp, a.strides, a.dilations, a.pads, (a.oh, a.ow))
+        wf = derived(a.w, "gpu_dw_f32", lambda v: v[:, :, :, 0].astype(_F32))
+        bias32 = a.bias.astype(_F32)
+        return ConvCall(a.x.shape, lambda x: jit.gpu_depthwise(x, a.x_zp, wf, bias32, a.scale, a.out_zp, a.strides,
+                                                               a.dilations, a.pads, (a.oh, a.ow)))
+    return ConvCall(a.x.shape, lambda x: _depthwise_taps(dataclasses.replace(a, x=x), exact32))
+
+
+def _depthwise_taps(a: ConvArgs, exact32: bool) -> np.ndarray:
+    """:func:`gpu_depthwise_conv2d`'s codes by numpy, tap by tap (float32 sums where exact, else float64)."""
+    n = a.x.shape[0]
     acc = np.zeros((n, a.oh, a.ow, a.c) + ((a.m,) if a.m > 1 else ()), dtype=_F32 if exact32 else np.float64)
     wf = a.w.astype(acc.dtype)
     for i, j, view in _taps(a):
@@ -521,16 +571,28 @@ def gpu_fully_connected(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c) -> 
     ``acc = wrap32(bias[o] + sum_k (x[n, k] - x_zp) * w[o, k])``, then the requantization of
     :func:`gpu_conv2d`. The backend runs it through the ``conv2d_u8`` kernel.
     """
+    return gpu_fully_connected_call(x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c)(x)
+
+
+def gpu_fully_connected_call(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c) -> ConvCall:
+    """:func:`gpu_fully_connected` for inputs of ``x``'s shape, as a :class:`ConvCall`; the same arguments."""
     x, w, b, s, x_zp, out_zp = _fc_check("gpu_fully_connected", x, w, bias, scale_c, x_zp, out_zp)
     path = sum_path(w.shape[1], b, _F32 if w.shape[1] <= F32_EXACT_TERMS else np.float64)
+    if x.shape[0] < intgemm.ROWS and w.shape[1] * 255 * 255 < 2 ** 31 and jit.available():
+        # a few rows (a classifier at batch 1-3): the int32 sums with the weights read once, channels on numba's
+        # threads (a 4-row tile would compute 1-3 rows of zeros); K * 255 * 128 < 2^31 keeps each exact
+        w16 = derived(w, "int16", lambda v: v.astype(np.int16))
+        return ConvCall(x.shape, lambda x: gpu_requantize_acc(wrap_int32(jit.fc_sums(x, x_zp, w16) + b), s, out_zp))
     f = intgemm.packed(w, 0, _rows_of) if path != "wrap" else None
     if f is not None:  # as the 1x1 conv (gpu_conv2d)
-        return intgemm.gpu_pointwise(x, x_zp, f, b, s, out_zp)
+        return ConvCall(x.shape, intgemm.GpuPointwiseCall(x_zp, f, b, s, out_zp))
     if path != "wrap" and jit.gemm_available():  # as the 1x1 conv (gpu_conv2d, _requantize_sums)
         wt = _gemm_filter(w)
-        return jit.gpu_pointwise(x, x_zp, wt, b, s, out_zp, chunk=F32_EXACT_TERMS, wide=path == "float64")
-    acc = (x.astype(np.float64) - x_zp) @ derived(w, "gpu_f64", lambda v: v.astype(np.float64)).T
-    return gpu_requantize_acc(_wrap_acc(acc, b), s, out_zp)
+        return ConvCall(x.shape, lambda x: jit.gpu_pointwise(x, x_zp, wt, b, s, out_zp, chunk=F32_EXACT_TERMS,
+                                                             wide=path == "float64"))
+    wf = derived(w, "gpu_f64", lambda v: v.astype(np.float64))
+    return ConvCall(x.shape, lambda x: gpu_requantize_acc(_wrap_acc((x.astype(np.float64) - x_zp) @ wf.T, b), s,
+                                                          out_zp))
 
 
 def gpu_fully_connected_ref(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c) -> np.ndarray:
@@ -683,8 +745,11 @@ def gpu_avg_pool(x, *, kernel, strides, pads=(0, 0, 0, 0)) -> np.ndarray:
     op = "gpu_avg_pool"
     x = _u8(op, x, 4)
     kh, kw, sh, sw, pads, oh, ow = _pool_geometry(op, x, kernel, strides, pads)
-    s = _window_sums(x.astype(np.int64), kh, kw, sh, sw, pads, oh, ow, np.add)
     h, w = x.shape[1], x.shape[2]
+    if (kh, kw) == (h, w) and not any(pads):  # one window, the whole image: the same integer sums in one pass
+        s = x.sum(axis=(1, 2), dtype=np.int64, keepdims=True)
+    else:
+        s = _window_sums(x.astype(np.int64), kh, kw, sh, sw, pads, oh, ow, np.add)
     t, l, _, _ = pads
     y0 = np.arange(oh) * sh - t
     x0 = np.arange(ow) * sw - l

@@ -23,8 +23,9 @@ numba intrinsic (``llvm.x86.avx512.vpdpbusd.512``, ``llvm.x86.avx2.pmadd.wd``), 
 has the instructions and numba compiles for it (``isa``). Equal to int64 sums: tests/test_intgemm.py.
 
 Users: the cpu's 1x1 convolutions (``pointwise_conv``, with its float64 requantization), the gpu's convolutions
-and FullyConnected on im2col rows (``gpu_pointwise``, with its float32 requantization) and nnlib's convolution
-sums (``pointwise_sums``); each falls back to its float32-GEMM path where the tiles do not apply.
+and FullyConnected on im2col rows (``gpu_pointwise`` / ``GpuPointwiseCall``, with its float32 requantization) and
+nnlib's convolution and SuperFC sums (``pointwise_sums``, ``dsp_pointwise``); each falls back to its float32-GEMM
+path where the tiles do not apply. A FullyConnected of 1-3 rows takes jit.fc_sums instead.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
     intrinsic = None
 
 __all__ = ["Isa", "isa", "available", "supported", "PackedFilter", "pack_filter", "packed", "pointwise_sums",
-           "pointwise_conv", "PointwiseCall", "gpu_pointwise", "dsp_pointwise"]
+           "pointwise_conv", "PointwiseCall", "gpu_pointwise", "GpuPointwiseCall", "dsp_pointwise"]
 
 ROWS = 4  # rows of x per tile
 
@@ -493,9 +494,22 @@ def gpu_pointwise(x: np.ndarray, x_zp: int, f: PackedFilter, bias: np.ndarray, s
     """The gpu convolution's codes [rows, O] of uint8 x [rows, K] (im2col rows past 1x1) with the packed int8
     filter, int bias [O] (every |G + bias| below 2^31: runtime/kernels/gpu.py ``sum_path`` is not "wrap") and float32
     scale [O]."""
-    out = np.empty((x.shape[0], f.o), np.uint8)
-    with threads.blas_held():
-        _gpu_pointwise(np.ascontiguousarray(x), np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums,
-                       _rows_per_block(x.shape[0], f.o), _g_like(f), np.asarray(bias, dtype=np.float64), scale,
-                       np.float32(zp), out)
-    return out
+    return GpuPointwiseCall(x_zp, f, bias, scale, zp)(x)
+
+
+class GpuPointwiseCall:
+    """:func:`gpu_pointwise` with its arguments converted once (runtime/kernels/gpu.py keeps one per convolution
+    and input shape); the block of rows is sized per call, for the rows and threads of that call."""
+
+    def __init__(self, x_zp: int, f: PackedFilter, bias: np.ndarray, scale: np.ndarray, zp):
+        self.filter = f
+        self.head = (np.int64(x_zp), f.data, np.int64(f.n16), f.shift, f.sums)
+        self.tail = (_g_like(f), np.asarray(bias, dtype=np.float64), np.ascontiguousarray(scale, dtype=np.float32),
+                     np.float32(zp))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = np.empty((x.shape[0], self.filter.o), np.uint8)
+        with threads.blas_held():
+            _gpu_pointwise(np.ascontiguousarray(x), *self.head, _rows_per_block(x.shape[0], self.filter.o),
+                           *self.tail, out)
+        return out

@@ -40,7 +40,8 @@ there), so the exactness arguments carry over unchanged:
 - ``im2col_rows``: the im2col rows of an integer input (conv.py ``im2col_rows``), a plain copy per output row on
   numba's threads, for the convolutions that run on them (every device's, past 1x1); ``pad4``: the uint8 Pad's
   fill and copy in one pass on numba's threads; ``fc_sums``: a uint8 FullyConnected's G in int32 (the
-  offset weights read once per batch, channels on numba's threads).
+  offset weights read once per batch, channels on numba's threads): the cpu's, and the gpu's and nnlib's SuperFC
+  sums for 1-3 rows, where a 4-row integer tile would compute rows of zeros.
 - ``d32_requant`` / ``hvx_quantize`` / ``dsp_dw_sums`` / ``dsp_junk_sums``: nnlib's d32 requantization, HVX
   quantizer, depthwise sums and the sums at the depthwise kernel's discarded columns, integer steps only;
   ``dsp_pointwise_sums``: the supernode's pointwise sums by float32 GEMMs whose partial sums are exact
