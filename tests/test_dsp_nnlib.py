@@ -385,6 +385,32 @@ def test_d32_nodes_keep_their_first_pass_and_take_codes_from_the_tiles(monkeypat
     assert any(retried) and not all(retried)
 
 
+def test_node_calls_run_every_input_of_their_shape():
+    """supernode_call / depthwise_supernode_call prepare a node once for an input shape (runtime/ops_dsp.py keeps one
+    per op, input shape and ranges): every later input of that shape gives the scalar reference's codes and range,
+    over open ranges (which retry), a half-open and a fixed one; an input of another shape is refused."""
+    rng = np.random.default_rng(17)
+    tally = _Tally()
+    ranges = [(-INF, INF), (0.0, INF), qc.mace_adjust_range_for_hexagon(-3.0, 5.0)[:2]]
+    for out_min, out_max in ranges:
+        for depthwise, c, o, hw in ((False, 40, 33, (5, 7)), (False, 3, 8, (6, 5)), (True, 40, 40, (5, 7))):
+            w = rng.integers(0, 256, (3, 3, c, 1) if depthwise else (1 if c > 4 else 3, 1 if c > 4 else 3, c, o),
+                             dtype=np.uint8)
+            bias, b_min, b_max = qc.mace_quantize_bias(rng.normal(size=o))
+            kw = dict(x_min=-1.0, x_max=3.0, w_min=-0.5, w_max=0.7, bias_min=b_min, bias_max=b_max, out_min=out_min,
+                      out_max=out_max, strides=(1, 1), padding="SAME" if depthwise or c < 4 else "VALID")
+            make, ref = ((dsp.depthwise_supernode_call, r.depthwise_supernode_ref) if depthwise else
+                         (functools.partial(dsp.supernode_call, variant=dsp.SupernodeVariant.D32), r.supernode_d32_ref))
+            x = rng.integers(0, 256, (1, *hw, c), dtype=np.uint8)
+            call = make(x, w, bias, **kw)
+            for _ in range(3):
+                x = rng.integers(0, 256, x.shape, dtype=np.uint8)
+                tally.add(ref(x, w, bias, **kw), call(x))
+            with pytest.raises(MaceqError, match="made for uint8 input"):
+                call(x[:, :-1])
+    assert tally.counts() == (0, 0) and tally.elements > 5000
+
+
 def test_depthwise_fast_equals_scalar():
     rng = np.random.default_rng(12)
     tally = _Tally()
@@ -425,11 +451,23 @@ def test_superfc_fast_equals_scalar():
     assert tally.counts() == (0, 0)
 
 
-def test_superfc_hvx_fast_equals_scalar():
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "float64"])
+def test_superfc_hvx_fast_equals_scalar(compiled, monkeypatch):
+    """SuperFC's sums in int32 by jit.fc_sums (1-3 rows), on the integer tiles (from 4 rows, where the CPU has them)
+    and by the float64 GEMM, each equal to the scalar reference; the calls of the compiled paths counted."""
+    from maceq.runtime.kernels import intgemm, jit
+
+    calls = []
+    real_tiles, real_fc = intgemm.pointwise_sums, jit.fc_sums
+    monkeypatch.setattr(intgemm, "pointwise_sums", lambda *a: calls.append("tiles") or real_tiles(*a))
+    monkeypatch.setattr(jit, "fc_sums", lambda *a: calls.append("rows") or real_fc(*a))
+    if not compiled:
+        monkeypatch.setattr(dsp, "_packed", lambda *a: None)
+        monkeypatch.setattr(jit, "available", lambda: False)
     rng = np.random.default_rng(24)
     tally = _Tally()
     for _ in range(30):
-        n, k, o = int(rng.integers(1, 4)), int(rng.choice([32, 48, 64, 96])), int(rng.integers(1, 40))
+        n, k, o = int(rng.integers(1, 7)), int(rng.choice([32, 48, 64, 96])), int(rng.integers(1, 40))
         x = rng.integers(0, 256, (n, k), dtype=np.uint8)
         w = rng.integers(0, 256, (k, o), dtype=np.uint8)
         bias, b_min, b_max = qc.mace_quantize_bias(rng.normal(size=o) * float(10 ** rng.uniform(-2, 1)))
@@ -439,6 +477,9 @@ def test_superfc_hvx_fast_equals_scalar():
                   w_max=float(rng.uniform(0.1, 2)), bias_min=b_min, bias_max=b_max, out_min=out_min, out_max=out_max)
         tally.add(r.superfc_hvx_ref(x, w, bias, **kw), dsp.superfc(x, w, bias, **kw))
     assert tally.counts() == (0, 0)
+    # (with VNNI, a filter of fewer than intgemm.MIN_ENTRIES entries takes the float64 GEMM)
+    tiles = compiled and intgemm.available() and jit.gemm_available()
+    assert ("rows" in calls, "tiles" in calls) == (compiled, tiles) and (compiled or not calls)
     x = np.zeros((1, 40), np.uint8)
     with pytest.raises(MaceqError):  # superfc_recalculate_strategy: "in_depth not a multiple of 16"
         dsp.superfc(x, np.zeros((40, 2), np.uint8), [0, 0], x_min=-1, x_max=1, w_min=-1, w_max=1, bias_min=0,
@@ -450,8 +491,9 @@ def test_add_sub_fast_equals_scalar_on_all_pairs(loops, monkeypatch):
     from maceq.runtime.kernels import jit
 
     looked_up = []
-    real = jit.lut_pairs_range
-    monkeypatch.setattr(jit, "lut_pairs_range", lambda *x: looked_up.append(1) or real(*x))
+    real, real_codes = jit.lut_pairs_range, jit.lut_pairs
+    monkeypatch.setattr(jit, "lut_pairs_range", lambda *x: looked_up.append("range") or real(*x))
+    monkeypatch.setattr(jit, "lut_pairs", lambda *x: looked_up.append("codes") or real_codes(*x))
     a, b = (g.astype(np.uint8).reshape(1, 256, 256, 1) for g in np.meshgrid(np.arange(256), np.arange(256),
                                                                              indexing="ij"))
     configs = [  # (a range, b range, out range, subtract)
@@ -467,7 +509,8 @@ def test_add_sub_fast_equals_scalar_on_all_pairs(loops, monkeypatch):
         fast = dsp.quantized_sub(a, b, **kw) if sub else dsp.quantized_add(a, b, **kw)
         tally.add(r.quantized_addsub_ref(a, b, subtract=sub, **kw), fast)
     assert tally.counts() == (0, 0)
-    assert (len(looked_up) >= len(configs)) == (loops == "compiled") and (loops == "compiled" or not looked_up)
+    # the fixed ranges look up the outputs alone; the open one tracks the min and max, then reruns
+    assert looked_up == (["codes"] * 3 + ["range", "codes"] + ["codes"] if loops == "compiled" else [])
     za, sa = r.get_qu8_level_size_zero(-1.0, 1.0)
     zb, sb = r.get_qu8_level_size_zero(-0.5, 0.5)
     assert r.set_addsub_scaling(*r.adjust_minmax_for_zero_with_constraints(-0.01, 0.02, 3)[:2], (za, zb), (sa, sb),

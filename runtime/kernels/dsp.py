@@ -48,7 +48,8 @@ __all__ = [
     "Padding", "SupernodeVariant", "SuperFCVariant", "ohwi_to_hwio", "fc_weight_to_dsp", "padding_for_pads",
     "nnlib_padding", "mace_padding_mode", "supports_conv",
     "quantize_adjust_range",
-    "supernode", "depthwise_supernode", "superfc", "quantized_add", "quantized_sub", "quantized_concat",
+    "supernode", "depthwise_supernode", "superfc", "NodeCall", "supernode_call", "depthwise_supernode_call",
+    "quantized_add", "quantized_sub", "quantized_concat",
     "quantized_maxpool", "quantized_avgpool", "quantized_mean", "quantize", "quantize_input", "dequantize",
 ]
 
@@ -362,9 +363,9 @@ def _exact_sums(acc: np.ndarray, terms: int) -> np.ndarray:
     return a if terms * PRODUCT_MAX < 2 ** 31 else _wrap32(a)
 
 
-def _pointwise(x, w, strides, before, out_hw) -> bool:
+def _pointwise(x_shape, w, strides, before, out_hw) -> bool:
     """A 1x1 stride-1 convolution without padding: its im2col rows are the input's pixels."""
-    return w.shape[:2] == (1, 1) and tuple(before) == (0, 0) and tuple(out_hw) == x.shape[1:3] \
+    return w.shape[:2] == (1, 1) and tuple(before) == (0, 0) and tuple(out_hw) == tuple(x_shape[1:3]) \
         and tuple(strides) == (1, 1)
 
 
@@ -374,20 +375,19 @@ def _packed(w, w_offset: int):
     return intgemm.packed(w, w_offset, lambda v: v.reshape(-1, o).T.astype(np.int64) - w_offset)
 
 
-def _pointwise_codes(x, w, w_offset: int, strides, before, out_hw):
-    """For a pointwise convolution on the integer tiles: ``codes(in_offset, word, recip_val, shamt)`` -> (uint8
-    [N, OH, OW, O], min raw, max raw), the d32 requantization of the :func:`_conv_sums` sums plus ``word`` [O]
-    computed block by block with no sums kept (intgemm.dsp_pointwise; equal to the two steps: tests/test_intgemm.py,
-    tests/test_dsp_nnlib.py). None where the sums take another path."""
-    if not (_pointwise(x, w, strides, before, out_hw) and jit.gemm_available()):
+def _pointwise_codes(x_shape, w, w_offset: int, strides, before, out_hw):
+    """For a pointwise convolution on the integer tiles: ``codes(x, in_offset, word, recip_val, shamt)`` -> (uint8
+    [N, OH, OW, O], min raw, max raw), the d32 requantization of the :func:`_conv_sums` sums of ``x`` (of shape
+    ``x_shape``) plus ``word`` [O] computed block by block with no sums kept (intgemm.dsp_pointwise; equal to the two
+    steps: tests/test_intgemm.py, tests/test_dsp_nnlib.py). None where the sums take another path."""
+    if not (_pointwise(x_shape, w, strides, before, out_hw) and jit.gemm_available()):
         return None
     f = _packed(w, w_offset)
     if f is None:
         return None
-    rows = x.reshape(-1, w.shape[2])
 
-    def codes(in_offset: int, word, recip_val: int, shamt: int):
-        y, lo, hi = intgemm.dsp_pointwise(rows, in_offset, f, word, recip_val, shamt)
+    def codes(x, in_offset: int, word, recip_val: int, shamt: int):
+        y, lo, hi = intgemm.dsp_pointwise(x.reshape(-1, w.shape[2]), in_offset, f, word, recip_val, shamt)
         return y.reshape(x.shape[0], *out_hw, w.shape[3]), lo, hi
 
     return codes
@@ -401,7 +401,7 @@ def _conv_sums(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray
     one float64 contraction otherwise, exact while sums stay below 2^53 (K < 2^37). Equal: tests/test_dsp_fills.py.
     """
     kh, kw, c, o = w.shape
-    pointwise = _pointwise(x, w, strides, before, out_hw)
+    pointwise = _pointwise(x.shape, w, strides, before, out_hw)
     compiled = jit.gemm_available() and 0 <= in_offset <= 255
 
     def offset_filter32():  # [K, O] float32, once per filter
@@ -449,15 +449,15 @@ def _dw_offset_filter(w, w_offset: int):
     return derived(w, ("dw_wz32", w_offset), lambda v: v[:, :, :, 0].astype(np.int32) - np.int32(w_offset))
 
 
-def _dw_codes(x, w, w_offset: int, strides, before, out_hw):
-    """``codes(in_offset, word, recip_val, shamt)`` -> (uint8 [N, OH, OW, C], min raw, max raw): the d32
-    requantization of :func:`_dw_sums`'s sums plus ``word`` [C] in their compiled pass (jit.dsp_dw_codes), no sums
-    kept; None where the numpy steps run."""
+def _dw_codes(w, w_offset: int, strides, before, out_hw):
+    """``codes(x, in_offset, word, recip_val, shamt)`` -> (uint8 [N, OH, OW, C], min raw, max raw): the d32
+    requantization of :func:`_dw_sums`'s sums of ``x`` plus ``word`` [C] in their compiled pass (jit.dsp_dw_codes), no
+    sums kept; None where the numpy steps run."""
     wz = _dw_offset_filter(w, w_offset)
     if wz is None:
         return None
-    return lambda io, word, recip_val, shamt: jit.dsp_dw_codes(x, wz, io, strides, before, out_hw, word, recip_val,
-                                                              shamt)
+    return lambda x, io, word, recip_val, shamt: jit.dsp_dw_codes(x, wz, io, strides, before, out_hw, word,
+                                                                 recip_val, shamt)
 
 
 def _dw_sums_numpy(x, w, in_offset, w_offset, strides, before, out_hw) -> np.ndarray:
@@ -483,41 +483,48 @@ def _check_conv(x, w, *, op: str):
 
 
 def _d32_kernel(n_out: int, gemsumb, conv_sums, junk_sums=None, codes=None):
-    """A ``d32_execute`` kernel: ``exact + biasbuf + gemsumb*in_offset`` requantized, mod 2^32.
+    """``make(x)``: the ``d32_execute`` kernel of the input ``x``: ``exact + biasbuf + gemsumb*in_offset``
+    requantized, mod 2^32.
 
-    ``conv_sums(in_offset)``: int64 [N,OH,OW,O] ``sum((v - in_offset)*(w - filt_offset))`` with
+    ``conv_sums(x, in_offset)``: int64 [N,OH,OW,O] ``sum((v - in_offset)*(w - filt_offset))`` with
     ``v = in_offset`` at padding; the HVX conv sums are that plus the bias word plus
     ``gemsumb*in_offset`` (each node's own gemsumb, over the channels padded to 32). The min /
-    max also covers the padded channels (bias word only) and ``junk_sums(in_offset)``, int64
-    [M, O] sums at computed-but-discarded columns (None: there are none). Sums are cached per ``in_offset``.
-    ``codes``: the requantized sums in one step (:func:`_pointwise_codes`, :func:`_dw_codes`), used instead of
-    ``conv_sums``.
-    ``ranged=False`` (:func:`_d32_execute`, for a node whose output range is given at both ends, whose retry check
+    max also covers the padded channels (bias word only) and ``junk_sums(x)(in_offset)``, int64
+    [M, O] sums at computed-but-discarded columns (``junk_sums`` None, or ``junk_sums(x)`` None or returning None:
+    there are none). Sums are cached per ``in_offset`` for one input.
+    ``codes(x, in_offset, word, recip_val, shamt)``: the requantized sums in one step (:func:`_pointwise_codes`,
+    :func:`_dw_codes`), used instead of ``conv_sums``.
+    ``ranged=False`` (:func:`_d32_node`, for a node whose output range is given at both ends, whose retry check
     never reads the min / max): the padded channels and discarded columns are skipped.
     """
-    cache = {}
     g = np.asarray(gemsumb, dtype=np.int64)
 
-    def kernel(sc: r.D32Scaling, biasbuf, *, ranged: bool = True):
-        io = sc.in_offset
-        word = np.asarray(biasbuf, dtype=np.int64) + g * io
-        if codes is not None:
-            y, vmin, vmax = codes(io, word[:n_out], sc.recip_val, sc.recip_shamt)
-            junk = junk_sums(io) if junk_sums is not None and ranged else None
-        else:
-            if io not in cache:
-                cache[io] = (conv_sums(io), junk_sums(io) if junk_sums is not None and ranged else None)
-            sums, junk = cache[io]
-            y, vmin, vmax = _d32_requant(sums, sc.recip_val, sc.recip_shamt, word[:n_out])
-        if not ranged:
-            return y, vmin, vmax
-        for extra, add in ((word[n_out:], None), (junk, word[:n_out])):
-            if extra is not None and extra.size:
-                _, lo, hi = _d32_requant(extra, sc.recip_val, sc.recip_shamt, add)
-                vmin, vmax = min(vmin, lo), max(vmax, hi)
-        return y, vmin, vmax
+    def make(x):
+        cache = {}
+        junk_of = junk_sums(x) if junk_sums is not None else None
 
-    return kernel
+        def kernel(sc: r.D32Scaling, biasbuf, *, ranged: bool = True):
+            io = sc.in_offset
+            word = np.asarray(biasbuf, dtype=np.int64) + g * io
+            if codes is not None:
+                y, vmin, vmax = codes(x, io, word[:n_out], sc.recip_val, sc.recip_shamt)
+                junk = junk_of(io) if junk_of is not None and ranged else None
+            else:
+                if io not in cache:
+                    cache[io] = (conv_sums(x, io), junk_of(io) if junk_of is not None and ranged else None)
+                sums, junk = cache[io]
+                y, vmin, vmax = _d32_requant(sums, sc.recip_val, sc.recip_shamt, word[:n_out])
+            if not ranged:
+                return y, vmin, vmax
+            for extra, add in ((word[n_out:], None), (junk, word[:n_out])):
+                if extra is not None and extra.size:
+                    _, lo, hi = _d32_requant(extra, sc.recip_val, sc.recip_shamt, add)
+                    vmin, vmax = min(vmin, lo), max(vmax, hi)
+            return y, vmin, vmax
+
+        return kernel
+
+    return make
 
 
 def _d32_requant(s, recip_val: int, shamt: int, word=None):
@@ -638,6 +645,31 @@ def supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out
     depth <= 4, or the flat op (REF with the pad quirk) for depth <= 4 and odd stride width > 1.
     ``ref_pad_quirk`` (REF only): the reference's ``nn_pad_compute_before(out_width, ...)``.
     """
+    return supernode_call(x, w, bias, x_min=x_min, x_max=x_max, w_min=w_min, w_max=w_max, bias_min=bias_min,
+                          bias_max=bias_max, out_min=out_min, out_max=out_max, strides=strides, padding=padding,
+                          relu=relu, variant=variant, ref_pad_quirk=ref_pad_quirk)(x)
+
+
+class NodeCall:
+    """A dsp node (:func:`supernode`, :func:`depthwise_supernode`) for one input shape with everything but the input
+    prepared once: ``call(x)`` gives the function's (y, y_min, y_max) for a uint8 ``x`` of that shape. A model's
+    node runs with the same filter, bias and ranges every run (runtime/ops_dsp.py keeps one per op and input)."""
+
+    def __init__(self, shape: tuple, run):
+        self.shape = tuple(shape)
+        self._run = run
+
+    def __call__(self, x):
+        x = np.asarray(x)
+        if x.shape != self.shape or x.dtype != np.uint8:
+            raise MaceqError(f"dsp node: made for uint8 input {self.shape}, got {x.dtype} {x.shape}")
+        return self._run(x)
+
+
+def supernode_call(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-INF, out_max=INF,
+              strides, padding, relu=None, variant: SupernodeVariant = SupernodeVariant.REF,
+              ref_pad_quirk: bool = False) -> "NodeCall":
+    """:func:`supernode` for inputs of ``x``'s shape, as a :class:`NodeCall`; the same arguments."""
     x, w = _check_conv(x, w, op="Supernode")
     n, h, wd, c = x.shape
     kh, kw, kc, o = w.shape
@@ -655,7 +687,7 @@ def supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out
     if variant == SupernodeVariant.D32:
         node = r.supernode_node(c, strides[1])
         if node is not None:
-            return _supernode_d32(x, w, bias, node, strides, (bh, bw), (oh, ow), **kw_args)
+            return NodeCall(x.shape, _supernode_d32(x.shape, w, bias, node, strides, (bh, bw), (oh, ow), **kw_args))
         ref_pad_quirk = True  # the flat Supernode_8x8p32to8 stays: supernode_execute_hvx
     if ref_pad_quirk:
         bh = r.pad_outsize_before_after(oh, kh, strides[0], mode)[1]
@@ -665,8 +697,8 @@ def supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out
             raise MaceqError("dsp Supernode (flat): batch > 1 with filter size not a multiple of 16 ('Batch size > 1 "
                              "not supported with odd in depth for now')")
         if oh > 3:
-            return _supernode_flat(x, w, bias, strides, (bh, bw), (oh, ow), **kw_args)
-    return _supernode_ref(x, w, bias, strides, (bh, bw), (oh, ow), **kw_args)
+            return NodeCall(x.shape, lambda x: _supernode_flat(x, w, bias, strides, (bh, bw), (oh, ow), **kw_args))
+    return NodeCall(x.shape, lambda x: _supernode_ref(x, w, bias, strides, (bh, bw), (oh, ow), **kw_args))
 
 
 def _supernode_flat(x, w, bias, strides, before, out_hw, *, x_min, x_max, w_min, w_max, bias_min, bias_max,
@@ -682,34 +714,36 @@ def _supernode_flat(x, w, bias, strides, before, out_hw, *, x_min, x_max, w_min,
     return np.clip(out_i, 0, 255).astype(np.uint8), final_min, final_max
 
 
-def _supernode_d32(x, w, bias, node, strides, before, out_hw, **kw):
-    """Supernode_8x8p32to8_d32 / InputSupernode_8x8p32to8_outd32 (``nnlib_ref.supernode_d32_ref``)."""
+def _supernode_d32(x_shape, w, bias, node, strides, before, out_hw, **kw):
+    """Supernode_8x8p32to8_d32 / InputSupernode_8x8p32to8_outd32 (``nnlib_ref.supernode_d32_ref``): ``run(x)`` for
+    inputs of ``x_shape``."""
     o = w.shape[3]
     filt_offset, filt_level = r.get_qu8_level_size_zero(r.f32(kw["w_min"]), r.f32(kw["w_max"]))
     junk = None
     if node is r.INPUT_SUPERNODE and out_hw[1] % 4:
         ext = (out_hw[0], (out_hw[1] + 3) & ~3)  # InputSupernode computes the width rounded to 4
-        junk = lambda io: _conv_sums(x, w, io, filt_offset, strides, before, ext)[:, :, out_hw[1]:].reshape(-1, o)
+        junk = lambda x: lambda io: _conv_sums(x, w, io, filt_offset, strides, before, ext)[:, :, out_hw[1]:].reshape(
+            -1, o)
     dpad = (w.shape[2] + 3) & ~3 if node is r.INPUT_SUPERNODE else (w.shape[2] + 31) & ~31
     gemsumb = padded_gemsumb(w, filt_offset, dpad)
-    return _d32_execute(
-        w, node=node, out_min=kw["out_min"], out_max=kw["out_max"], x_min=kw["x_min"], x_max=kw["x_max"],
+    return _d32_node(
+        w, _d32_kernel(o, gemsumb, lambda x, io: _conv_sums(x, w, io, filt_offset, strides, before, out_hw), junk,
+                       _pointwise_codes(x_shape, w, filt_offset, strides, before, out_hw)),
+        node=node, out_min=kw["out_min"], out_max=kw["out_max"], x_min=kw["x_min"], x_max=kw["x_max"],
         weights_level=filt_level, bias=bias, bias_min=kw["bias_min"], bias_max=kw["bias_max"], gemsumb=gemsumb,
-        fill=_fill_bias_buf_cached,
-        kernel=_d32_kernel(o, gemsumb, lambda io: _conv_sums(x, w, io, filt_offset, strides, before, out_hw), junk,
-                           _pointwise_codes(x, w, filt_offset, strides, before, out_hw)))
+        fill=_fill_bias_buf_cached)
 
 
 #: first passes kept per filter: one per set of ranges a node meets (a model with stored ranges brings one)
 _FIRST_PASSES_KEPT = 8
 
 
-def _d32_execute(w, **args):
-    """``nnlib_ref.d32_execute`` with its first pass's scalars kept per filter ``w`` and arguments: the range state,
-    D32Scaling and bias words depend on the node's ranges, bias and gemsumb only, which a model's node brings
-    unchanged on every run. The kernel runs with them; where the retry check asks for another pass, the
-    reference loop runs from the start (the same first pass, then the next ones). Equal to the reference loop:
-    tests/test_dsp_nnlib.py."""
+def _d32_node(w, make_kernel, **args):
+    """``run(x)``: ``nnlib_ref.d32_execute`` with the kernel ``make_kernel(x)`` and its first pass's scalars kept
+    per filter ``w`` and arguments: the range state, D32Scaling and bias words depend on the node's ranges, bias and
+    gemsumb only, which a model's node brings unchanged on every run. The kernel runs with them; where the retry
+    check asks for another pass, the reference loop runs from the start (the same first pass, then the next ones).
+    Equal to the reference loop: tests/test_dsp_nnlib.py."""
     kept = derived(w, "d32_first_passes", lambda _: {})
     key = tuple(args[k] for k in ("node", "out_min", "out_max", "x_min", "x_max", "weights_level", "bias_min",
                                   "bias_max")) + (args["bias"].tobytes(), np.asarray(args["gemsumb"]).tobytes())
@@ -723,12 +757,17 @@ def _d32_execute(w, **args):
             kept.pop(next(iter(kept)))
         kept[key] = first
     st0, sc, biasbuf = first
-    # both ends given: the retry check returns before it reads the min / max, so the kernel need not find them
-    y, vmin, vmax = args["kernel"](sc, biasbuf, ranged=st0.flags != 3)
-    st = dataclasses.replace(st0)
-    if not r.d32_check_for_retry(st, sc, vmin, vmax):
-        return y, st.out_min, st.out_max
-    return r.d32_execute(**args)
+
+    def run(x):
+        kernel = make_kernel(x)
+        # both ends given: the retry check returns before it reads the min / max, so the kernel need not find them
+        y, vmin, vmax = kernel(sc, biasbuf, ranged=st0.flags != 3)
+        st = dataclasses.replace(st0)
+        if not r.d32_check_for_retry(st, sc, vmin, vmax):
+            return y, st.out_min, st.out_max
+        return r.d32_execute(**args, kernel=kernel)
+
+    return run
 
 
 def _supernode_ref(x, w, bias, strides, before, out_hw, *, x_min, x_max, w_min, w_max, bias_min, bias_max,
@@ -753,6 +792,14 @@ def depthwise_supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bia
     ``nnlib_ref.depthwise_supernode_ref``: the min / max behind an open range also covers the
     columns the 3x3 kernels compute outside the output (``nnlib_ref.dwise_computed_cols``).
     """
+    return depthwise_supernode_call(x, w, bias, x_min=x_min, x_max=x_max, w_min=w_min, w_max=w_max,
+                                    bias_min=bias_min, bias_max=bias_max, out_min=out_min, out_max=out_max,
+                                    strides=strides, padding=padding, relu=relu)(x)
+
+
+def depthwise_supernode_call(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-INF,
+                             out_max=INF, strides, padding, relu=None) -> NodeCall:
+    """:func:`depthwise_supernode` for inputs of ``x``'s shape, as a :class:`NodeCall`; the same arguments."""
     x, w = _check_conv(x, w, op="DepthwiseSupernode")
     n, h, wd, c = x.shape
     kh, kw, kc, m = w.shape
@@ -766,14 +813,14 @@ def depthwise_supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bia
     oh, ow, bh, bw = r._geometry((h, wd), (kh, kw), strides, mode, op="DepthwiseSupernode")
     filt_offset = r.quantize_uint8(0.0, r.f32(w_min), r.f32(w_max))
     gemsumb = dwise_gemsumb(w, filt_offset)
-    return _d32_execute(w, node=r.DEPTHWISE_D32, out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max,
-                        fill=_fill_bias_buf_cached,
-                        weights_level=r.fdiv(r.fsub(r.f32(w_max), r.f32(w_min)), r.fmul(255.0, 1.0)),
-                        bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=gemsumb,
-                        kernel=_d32_kernel(
-                            c, gemsumb, lambda io: _dw_sums(x, w, io, filt_offset, strides, (bh, bw), (oh, ow)),
-                            _dw_junk_sums(x, w, filt_offset, strides, (bh, bw), (oh, ow)),
-                            _dw_codes(x, w, filt_offset, strides, (bh, bw), (oh, ow))))
+    geometry = (strides, (bh, bw), (oh, ow))
+    make_kernel = _d32_kernel(c, gemsumb, lambda x, io: _dw_sums(x, w, io, filt_offset, *geometry),
+                              lambda x: _dw_junk_sums(x, w, filt_offset, *geometry),
+                              _dw_codes(w, filt_offset, *geometry))
+    return NodeCall(x.shape, _d32_node(w, make_kernel, node=r.DEPTHWISE_D32, out_min=out_min, out_max=out_max,
+                                       x_min=x_min, x_max=x_max, fill=_fill_bias_buf_cached,
+                                       weights_level=r.fdiv(r.fsub(r.f32(w_max), r.f32(w_min)), r.fmul(255.0, 1.0)),
+                                       bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=gemsumb))
 
 
 def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-INF, out_max=INF, relu=None,
@@ -805,16 +852,30 @@ def superfc(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_m
 
     def kernel(sc: r.D32Scaling, biasbuf):
         if sc.in_offset not in cache:  # exact sum((x - in_offset)*(w - filt_offset))
-            wz = derived(w, ("wz64", fo), lambda v: v.astype(np.float64) - fo)
-            cache[sc.in_offset] = (x.astype(np.float64) - sc.in_offset) @ wz
+            cache[sc.in_offset] = _superfc_sums(x, w, sc.in_offset, fo)
         word = np.asarray(biasbuf, dtype=np.int64) - g * sc.in_offset
-        y, vmin, vmax = _d32_requant(cache[sc.in_offset].astype(np.int64), sc.recip_val, sc.recip_shamt, word[:o])
+        y, vmin, vmax = _d32_requant(cache[sc.in_offset], sc.recip_val, sc.recip_shamt, word[:o])
         _, lo, hi = _d32_requant(word[o:], sc.recip_val, sc.recip_shamt)
         return y, min(0, vmin, lo), max(0, vmax, hi)
 
     return r.superfc_execute(out_min=out_min, out_max=out_max, x_min=x_min, x_max=x_max, filt_level=filt_level,
                              bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=g, kernel=kernel,
                              fill=superfc_fill_bias_buf)
+
+
+def _superfc_sums(x, w, in_offset: int, filt_offset: int) -> np.ndarray:
+    """int64 [N, O]: sum((x - in_offset) * (w - filt_offset)) for x [N, K], w [K, O]: on the integer tiles as a 1x1
+    convolution's (:func:`_conv_sums`) where they run, else one float64 GEMM, exact while the sums stay below 2^53
+    (K < 2^37)."""
+    if x.shape[0] < intgemm.ROWS and w.shape[0] * PRODUCT_MAX < 2 ** 31 and jit.available() and 0 <= in_offset <= 255:
+        # a few rows: the int32 sums with the weights read once (a 4-row tile would compute 1-3 rows of zeros)
+        wo = derived(w, ("offset rows int16", filt_offset), lambda v: (v.T.astype(np.int16) - filt_offset).copy())
+        return jit.fc_sums(x, in_offset, wo).astype(np.int64)
+    f = _packed(w.reshape(1, 1, *w.shape), filt_offset) if jit.gemm_available() and 0 <= in_offset <= 255 else None
+    if f is not None:
+        return intgemm.pointwise_sums(x, in_offset, f)
+    wz = derived(w, ("wz64", filt_offset), lambda v: v.astype(np.float64) - filt_offset)
+    return ((x.astype(np.float64) - in_offset) @ wz).astype(np.int64)
 
 
 def _superfc_ref(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min, out_max):
@@ -839,12 +900,16 @@ def _superfc_ref(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, 
 _LUT_MIN = 1 << 12
 
 
-def _addsub_core(a: np.ndarray, b: np.ndarray, sp: r.AddSubScaling):
-    """The HVX add datapath on uint8 arrays of one shape -> (u8, min step-2 value, max step-2 value). Its output
-    and step-2 value are functions of the pair (a, b): past _LUT_MIN elements, one compiled pass of look-ups in
-    their tables (equal to the steps on the elements: tests/test_dsp_nnlib.py)."""
+def _addsub_core(a: np.ndarray, b: np.ndarray, sp: r.AddSubScaling, track: bool = True):
+    """The HVX add datapath on uint8 arrays of one shape -> (u8, min step-2 value, max step-2 value); ``track``
+    False (nnlib_ref.addsub_execute: the range logic will not read them): the min and max are not found and both
+    are ``intermed_zero``. The output and step-2 value are functions of the pair (a, b): past _LUT_MIN elements,
+    one compiled pass of look-ups in their tables (equal to the steps on the elements: tests/test_dsp_nnlib.py),
+    in the 64 KiB table of outputs alone where the min and max are not needed."""
     if jit.available() and a.size >= _LUT_MIN:
         codes, steps = _addsub_tables(sp)
+        if not track:
+            return jit.lut_pairs(a, b, a.size, codes, codes), sp.intermed_zero, sp.intermed_zero
         y, lo, hi = jit.lut_pairs_range(a, b, codes, steps)
     else:
         y, v = _addsub_steps(a.astype(np.int64), b.astype(np.int64), sp)
@@ -889,7 +954,7 @@ def _addsub(a, b, *, a_min, a_max, b_min, b_max, out_min, out_max, subtract: boo
     kw = dict(a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max, out_min=out_min, out_max=out_max,
               subtract=subtract)
     if a.shape == b.shape and not subtract:  # the flat add (the sub always runs as the d32 op)
-        return r.addsub_execute(core=lambda sp, track: _addsub_core(a, b, sp), **kw)
+        return r.addsub_execute(core=lambda sp, track: _addsub_core(a, b, sp, track), **kw)
     _, swap, all_ones = r.addsub_broadcast_plan(a.shape, b.shape)
     shape = np.broadcast_shapes(a.shape, b.shape)
     if all_ones and r.f32(out_min) == -INF and r.f32(out_max) == INF:
@@ -898,7 +963,7 @@ def _addsub(a, b, *, a_min, a_max, b_min, b_max, out_min, out_max, subtract: boo
         scale, offs, mn, mx = r.addsub_1111_scaling(rngs[0], rngs[1], int((a if swap else b).ravel()[0]), oper)
         return _scaled_copy(big.reshape(shape), scale, offs), mn, mx
     ai, bi = (np.ascontiguousarray(np.broadcast_to(t, shape)) for t in (a, b))
-    return r.addsub_execute(core=lambda sp, track: _addsub_core(ai, bi, sp), d32=True, **kw)
+    return r.addsub_execute(core=lambda sp, track: _addsub_core(ai, bi, sp, track), d32=True, **kw)
 
 
 def _scaled_copy(x: np.ndarray, scale: int, offset: int) -> np.ndarray:
