@@ -38,12 +38,22 @@ try:  # numba is a declared dependency; without it the numpy paths run on one th
 except ImportError:  # pragma: no cover
     numba = None
 
-__all__ = ["default_threads", "limit", "current", "busy_cpus", "section", "blas_held"]
+__all__ = ["default_threads", "limit", "current", "busy_cpus", "section", "blas_held", "run_memo"]
 
 _LIMIT: int | None = None
 _LOCK = threading.Lock()
 _DEPTH = 0
 _BLAS_CTX = None
+_RUN = threading.local()  # .memo: the calling thread's innermost section's memo
+
+
+def run_memo() -> dict | None:
+    """The memo of the calling thread's current :func:`section` (one model run), None outside one. It holds the
+    run's thread count (``"threads"``, what numba's pool has in the section) and whatever the kernels ask once per
+    run instead of once per layer (the settings read from the environment: runtime/kernels/jit.py
+    ``available``, runtime/kernels/intgemm.py ``supported``): numba's and the environment's answers cost 3-5 us a
+    question, asked a few times by each of a model's layers."""
+    return getattr(_RUN, "memo", None)
 
 
 def _numba_max() -> int:
@@ -130,6 +140,7 @@ def section(threads: int | None = None, *, hold_blas: bool = False):
         return
     previous = numba.get_num_threads()
     numba.set_num_threads(n)  # per calling thread in numba
+    outer_memo, _RUN.memo = run_memo(), {"threads": n}
     with _LOCK:
         _DEPTH += 1
         if (n == 1 or hold_blas) and _BLAS_CTX is None:  # BLAS on one thread for the whole run
@@ -143,6 +154,7 @@ def section(threads: int | None = None, *, hold_blas: bool = False):
             if _DEPTH == 0 and _BLAS_CTX is not None:
                 ctx, _BLAS_CTX = _BLAS_CTX, None
                 ctx.__exit__(None, None, None)
+        _RUN.memo = outer_memo
         numba.set_num_threads(previous)
 
 

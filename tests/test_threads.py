@@ -228,3 +228,28 @@ def test_a_run_drops_each_tensor_after_its_last_reader(mnv2, monkeypatch):
     assert most_kept == len(model.ops) - 1 and max(alive) <= 4, (most_kept, max(alive))
     assert outputs.keys() == kept.outputs.keys()
     assert all(np.array_equal(outputs[k], kept.outputs[k]) for k in outputs)
+
+
+def test_a_section_reads_the_settings_once(monkeypatch):
+    """Inside a section (one model run) the thread count and the environment's settings are the ones the run began
+    with; outside, every call reads them again; a nested section has its own and gives the outer one back."""
+    import numba
+
+    from maceq.runtime.kernels import intgemm
+
+    monkeypatch.delenv("MACEQ_NO_JIT", raising=False)
+    monkeypatch.delenv("MACEQ_NO_INTGEMM", raising=False)
+    assert threads.run_memo() is None
+    have = intgemm.supported()
+    with threads.section(2) as n:
+        assert threads.run_memo()["threads"] == jit._num_threads() == numba.get_num_threads() == n
+        assert jit.available() and intgemm.supported() == have
+        monkeypatch.setenv("MACEQ_NO_JIT", "1")
+        assert jit.available() and intgemm.supported() == have  # the run's own settings
+        with threads.section(1):
+            assert not jit.available() and intgemm.supported() == () and jit._num_threads() == 1
+        assert jit.available() and jit._num_threads() == n
+    assert threads.run_memo() is None
+    assert not jit.available() and intgemm.supported() == ()
+    monkeypatch.delenv("MACEQ_NO_JIT")
+    assert jit.available() and intgemm.supported() == have

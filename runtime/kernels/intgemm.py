@@ -83,13 +83,19 @@ def _numba_targets_host() -> bool:
 
 def supported() -> tuple[Isa, ...]:
     """The instruction sets whose tiles can run here, the better first: the compiled loops are on, numba compiles
-    for this CPU, the CPU has them, and ``MACEQ_NO_INTGEMM`` is unset (read on every call, the answer remembered
-    per setting: a model run asks once per convolution)."""
-    from numba.core import config
+    for this CPU, the CPU has them, and ``MACEQ_NO_INTGEMM`` is unset (read once per model run, threads.run_memo,
+    and on every call outside one; the answer remembered per setting)."""
+    memo = threads.run_memo()
+    hit = None if memo is None else memo.get("intgemm")
+    if hit is None:
+        from numba.core import config
 
-    env = os.environ
-    return _supported(env.get("MACEQ_NO_INTGEMM", ""), env.get("MACEQ_NO_JIT", ""), config.CPU_NAME,
-                      config.CPU_FEATURES)
+        env = os.environ
+        hit = _supported(env.get("MACEQ_NO_INTGEMM", ""), env.get("MACEQ_NO_JIT", ""), config.CPU_NAME,
+                         config.CPU_FEATURES)
+        if memo is not None:
+            memo["intgemm"] = hit
+    return hit
 
 
 @functools.lru_cache(maxsize=16)

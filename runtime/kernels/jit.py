@@ -79,8 +79,15 @@ __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "p
 
 
 def available() -> bool:
-    """True when the compiled loops can run (numba present and MACEQ_NO_JIT unset)."""
-    return njit is not None and os.environ.get("MACEQ_NO_JIT", "") in ("", "0")
+    """True when the compiled loops can run (numba present and MACEQ_NO_JIT unset): the environment read once per
+    model run (threads.run_memo), on every call outside one."""
+    memo = threads.run_memo()
+    if memo is None:
+        return njit is not None and os.environ.get("MACEQ_NO_JIT", "") in ("", "0")
+    hit = memo.get("jit")
+    if hit is None:
+        hit = memo["jit"] = njit is not None and os.environ.get("MACEQ_NO_JIT", "") in ("", "0")
+    return hit
 
 
 if njit is not None:
@@ -806,6 +813,10 @@ def _block_rows(rows: int, k: int, o: int, itemsize: int) -> int:
 
 
 def _num_threads() -> int:
+    """numba's thread count for the calling thread (the section's, kept in its run memo)."""
+    memo = threads.run_memo()
+    if memo is not None:
+        return memo["threads"]
     import numba
 
     return numba.get_num_threads()
