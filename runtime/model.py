@@ -54,6 +54,7 @@ class Plan:
         self.model, self.ctx = model, ctx
         self._prepared: list[dict[tuple, PreparedOp]] = [{} for _ in model.ops]
         self._count = 0
+        self._consts: dict[str, QTensor] = {}  # the constants as QTensors, made again when one is replaced
 
     def inputs(self, idx: int, values: dict[str, QTensor]) -> list[QTensor]:
         """Op ``idx``'s input tensors: from ``values``, else the model's constants."""
@@ -63,9 +64,11 @@ class Plan:
         for name in op.inputs:
             t = values.get(name)
             if t is None:
-                if name not in m.consts:
+                v, q, t = m.consts.get(name), m.const_qinfo.get(name), self._consts.get(name)
+                if v is None:
                     raise MaceqError(f"op '{op.name}': input '{name}' is not available")
-                t = QTensor(m.consts[name], m.const_qinfo.get(name))
+                if t is None or t.values is not v or t.qinfo is not q:
+                    t = self._consts[name] = QTensor(v, q)
             ins.append(t)
         return ins
 

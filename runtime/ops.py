@@ -9,6 +9,7 @@ kernel from ``maceq.runtime.kernels``. Each rule a kernel follows comes from
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,8 +78,8 @@ class ConvParams:
     #: uint8 depthwise on MACE's ARM CPU: the TFLite 3x3 fast path runs where it is supported.
     fast3x3: bool = False
 
-    @property
-    def out_q(self) -> QInfo:
+    @functools.cached_property
+    def out_q(self) -> QInfo:  # one object for every run: Plan.prepared's key of the next op
         return QInfo(float(self.out_scale), self.out_zp)
 
 

@@ -8,6 +8,7 @@ gpu override run the default kernels.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,8 +55,8 @@ class GpuConvParams:
     dilations: tuple[int, int]
     out_scale: np.float32
 
-    @property
-    def out_q(self) -> QInfo:
+    @functools.cached_property
+    def out_q(self) -> QInfo:  # one object for every run: Plan.prepared's key of the next op
         return QInfo(float(self.out_scale), self.out_zp)
 
 

@@ -106,6 +106,8 @@ def _prepare(a, b):
     b = np.asarray(b)
     if a.dtype != np.uint8 or b.dtype != np.uint8:
         raise MaceqError(f"Eltwise: expected uint8 inputs, got {a.dtype} and {b.dtype}")
+    if b.shape == a.shape:
+        return a, b
     try:
         b_full = np.broadcast_to(b, a.shape)
     except ValueError:
