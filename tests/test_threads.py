@@ -135,6 +135,17 @@ def test_the_default_leaves_out_the_cpus_other_processes_keep_busy(monkeypatch):
     assert threads.current() == 4
 
 
+def test_the_default_reads_the_busy_cpus_once_in_a_while(monkeypatch):
+    """current() asks busy_cpus (its /proc reads) at most once per BUSY_TTL_S: each model run asks current()."""
+    monkeypatch.delenv("MACEQ_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "default_threads", lambda: 4)
+    asked = []
+    monkeypatch.setattr(threads, "busy_cpus", lambda: asked.append(1) or 1)
+    assert [threads.current() for _ in range(5)] == [3] * 5 and len(asked) == 1
+    monkeypatch.setattr(threads, "BUSY_TTL_S", 0.0)
+    assert [threads.current() for _ in range(3)] == [3] * 3 and len(asked) == 4
+
+
 def test_busy_cpus_counts_a_busy_loop_neighbour_and_not_this_process():
     base = threads.busy_cpus()
     assert base is not None and base >= 0
