@@ -258,12 +258,24 @@ def _compiled_numpy_and_reference_agree(monkeypatch, sim, ref, x, w, bias, kw):
     assert _mismatch(want, got) == 0 and 0 < np.count_nonzero((want > 0) & (want < 255))
 
 
-def test_compiled_gpu_paths_equal_the_numpy_path_and_the_reference(monkeypatch):
+def _fma_points(rng):
+    """(acc, s, zp): 500 int32 sums and float32 scales whose codes f32(f32(acc) * s) + zp lie in [32, 52] (inside the
+    range, f32(acc * s) a binade below them) and where a fused multiply-add would give the neighbouring code."""
+    acc = rng.integers(1000, 2 ** 22, 20_000)
+    zp = 20
+    target = np.floor(32 + rng.uniform(0, 1, acc.size) * zp) + 0.5 - zp
+    s = np.nextafter((target / acc).astype(F32), F32(np.inf))
+    fused = (acc.astype(F32).astype(np.float64) * s.astype(np.float64) + zp).astype(F32)
+    differ = np.rint(fused) != np.rint(acc.astype(F32) * s + F32(zp))
+    assert np.count_nonzero(differ) >= 500
+    return acc[differ][:500], s[differ][:500], zp
+
+
+def test_compiled_gpu_depthwise_equals_the_numpy_path_and_the_reference(monkeypatch):
     # the float32-GEMM compiled paths (the integer tiles: tests/test_intgemm.py)
     from maceq.runtime.kernels import jit
 
     monkeypatch.setenv("MACEQ_NO_INTGEMM", "1")
-
     if not jit.available():
         pytest.skip("numba not available: the numpy path is the only one")
     rng = np.random.default_rng(50)
@@ -288,27 +300,30 @@ def test_compiled_gpu_paths_equal_the_numpy_path_and_the_reference(monkeypatch):
         cases += 1
     assert len(calls) == cases  # every case took the compiled path
     # the requantization's two float32 roundings (no FMA) on crafted points: a 1x1 depthwise with x = x_zp
-    # gives requant(bias) per channel; points where a fused multiply-add would give the neighbouring code
-    acc = rng.integers(1000, 2 ** 22, 20_000)
-    zp = 20  # results in [32, 52]: codes inside the range, f32(acc * s) a binade below them
-    target = np.floor(32 + rng.uniform(0, 1, acc.size) * zp) + 0.5 - zp
-    s = np.nextafter((target / acc).astype(F32), F32(np.inf))
-    fused = (acc.astype(F32).astype(np.float64) * s.astype(np.float64) + zp).astype(F32)
-    differ = np.rint(fused) != np.rint(acc.astype(F32) * s + F32(zp))
-    acc, s = acc[differ][:500], s[differ][:500]
-    assert acc.size == 500
+    # gives requant(bias) per channel
+    acc, s, zp = _fma_points(rng)
     x = np.zeros((1, 1, 1, acc.size), dtype=np.uint8)
     w = np.ones((1, 1, acc.size, 1), dtype=np.int8)
     got = g.gpu_depthwise_conv2d(x, w, acc.astype(np.int32), x_zp=0, out_zp=zp, scale_c=s)
     assert [g.gpu_requantize_acc_ref(int(a), sc, zp) for a, sc in zip(acc, s)] == got.reshape(-1).tolist()
     assert np.all((got > 30) & (got < 55))  # not saturated: the roundings decide every code
     assert len(calls) == cases + 1
+
+
+def test_compiled_gpu_convolutions_equal_the_numpy_path_and_the_reference(monkeypatch):
     # convs: GEMM (on im2col rows past 1x1 stride 1) and requantization per block of rows, compiled (float32 sums;
-    # float32 chunks summed in float64 past 256 terms or with a large bias)
-    pointwise, requants = [], []
-    compiled_pw, compiled_rq = jit.gpu_pointwise, jit.gpu_requant
+    # float32 chunks summed in float64 past 256 terms or with a large bias); the integer tiles: tests/test_intgemm.py
+    from maceq.runtime.kernels import jit
+
+    monkeypatch.setenv("MACEQ_NO_INTGEMM", "1")
+    if not jit.available():
+        pytest.skip("numba not available: the numpy path is the only one")
+    rng = np.random.default_rng(51)
+    pointwise, requants, rows = [], [], []
+    compiled_pw, compiled_rq, compiled_fc = jit.gpu_pointwise, jit.gpu_requant, jit.fc_sums
     monkeypatch.setattr(jit, "gpu_pointwise", lambda *a, **k: pointwise.append(k["wide"]) or compiled_pw(*a, **k))
     monkeypatch.setattr(jit, "gpu_requant", lambda *a: requants.append(1) or compiled_rq(*a))
+    monkeypatch.setattr(jit, "fc_sums", lambda *a: rows.append(1) or compiled_fc(*a))
     for c, o, k, st, pads, dil, bias_max in (
             (24, 16, 1, (1, 1), (0, 0, 0, 0), (1, 1), 50_000), (300, 12, 1, (1, 1), (0, 0, 0, 0), (1, 1), 50_000),
             (24, 16, 1, (1, 1), (0, 0, 0, 0), (1, 1), 2 ** 26), (24, 16, 1, (2, 2), (0, 0, 0, 0), (1, 1), 50_000),
@@ -320,15 +335,16 @@ def test_compiled_gpu_paths_equal_the_numpy_path_and_the_reference(monkeypatch):
             F32(0.02), F32(rng.uniform(1e-3, 1e-2, o)).astype(F32), F32(0.05 if bias_max < 2 ** 20 else 400.0)))
         _compiled_numpy_and_reference_agree(monkeypatch, g.gpu_conv2d, g.gpu_conv2d_ref, x, w, bias, kw)
     assert pointwise == [False, True, True, False, False, True]  # 3x3x40 = 360 terms: float64
-    for k in (100, 700):  # FullyConnected: the same compiled 1x1 conv
-        x = rng.integers(0, 256, (3, k), dtype=np.uint8)
+    # FullyConnected: from 4 rows the same compiled 1x1 conv, fewer rows by jit.fc_sums' int32 sums
+    for n, k in ((3, 100), (5, 100), (5, 700)):
+        x = rng.integers(0, 256, (n, k), dtype=np.uint8)
         w = rng.integers(-127, 128, (9, k), dtype=np.int8)
         bias = rng.integers(-2 ** 20, 2 ** 20, 9).astype(np.int32)
         kw = dict(x_zp=40, out_zp=120, scale_c=g.gpu_requant_scales(F32(0.02), F32(rng.uniform(1e-4, 1e-3, 9))
                                                                     .astype(F32), F32(0.5)))
         _compiled_numpy_and_reference_agree(monkeypatch, g.gpu_fully_connected, g.gpu_fully_connected_ref, x, w,
                                             bias, kw)
-    assert pointwise[-2:] == [False, True]
+    assert pointwise[6:] == [False, True] and rows == [1]
     # a depthwise conv with multiplier 2 (numpy float32 sums) takes the compiled requantization alone
     x = rng.integers(0, 256, (1, 5, 6, 8), dtype=np.uint8)
     w = rng.integers(-128, 128, (3, 3, 8, 2), dtype=np.int8)
@@ -339,6 +355,7 @@ def test_compiled_gpu_paths_equal_the_numpy_path_and_the_reference(monkeypatch):
     assert _mismatch(g.gpu_depthwise_conv2d_ref(x, w, bias, **kw), got) == 0 and requants == [1]
     # the float64 path's roundings on crafted points (x = x_zp: the sums are 0, the codes requant(bias)), over
     # 300 channels: one float32 rounding of the int32, then the multiply's and the add's, no FMA
+    acc, s, zp = _fma_points(rng)
     x = np.full((1, 1, 1, 300), 9, dtype=np.uint8)
     w = rng.integers(-128, 128, (acc.size, 1, 1, 300), dtype=np.int8)
     got = g.gpu_conv2d(x, w, acc.astype(np.int32), x_zp=9, out_zp=zp, scale_c=s)
