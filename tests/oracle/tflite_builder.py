@@ -176,9 +176,42 @@ def build_single_op_model(op: str, inputs: list[TensorSpec | None], outputs: lis
     if code is None:
         raise ValueError(f"tflite_builder: unknown BuiltinOperator {op!r}")
     builder = flatbuffers.Builder(1024)
-
     specs: list[TensorSpec] = [s for s in inputs if s is not None] + list(outputs)
-    # Buffer 0 is the empty sentinel; each constant gets its own buffer.
+    buffer_payloads, tensor_buffer = _payloads(specs)
+    tensor_offsets = [_tensor(builder, i, spec, tensor_buffer[i]) for i, spec in enumerate(specs)]
+
+    # Operator inputs in the caller's order; an absent (None) input is -1.
+    op_inputs, graph_inputs, k = [], [], 0
+    for s in inputs:
+        if s is None:
+            op_inputs.append(-1)
+            continue
+        op_inputs.append(k)
+        if s.data is None:
+            graph_inputs.append(k)
+        k += 1
+    op_outputs = list(range(k, k + len(outputs)))
+    operator = _operator(builder, op, options, op_inputs, op_outputs)
+    subgraph = _subgraph(builder, tensor_offsets, graph_inputs, op_outputs, operator)
+
+    tflite.OperatorCodeStart(builder)
+    tflite.OperatorCodeAddDeprecatedBuiltinCode(builder, min(code, 127))
+    tflite.OperatorCodeAddBuiltinCode(builder, code)
+    tflite.OperatorCodeAddVersion(builder, 1)
+    opcode = tflite.OperatorCodeEnd(builder)
+
+    buffer_offsets = []
+    for payload in buffer_payloads:
+        data = _aligned_bytes(builder, payload) if payload else None
+        tflite.BufferStart(builder)
+        if data is not None:
+            tflite.BufferAddData(builder, data)
+        buffer_offsets.append(tflite.BufferEnd(builder))
+    return _finish_model(builder, opcode, subgraph, buffer_offsets)
+
+
+def _payloads(specs: list[TensorSpec]) -> tuple[list[bytes], list[int]]:
+    """(the buffers' bytes, each tensor's buffer index): buffer 0 is the empty sentinel; each constant gets its own."""
     buffer_payloads: list[bytes] = [b""]
     tensor_buffer: list[int] = []
     for spec in specs:
@@ -192,33 +225,26 @@ def build_single_op_model(op: str, inputs: list[TensorSpec | None], outputs: lis
             tensor_buffer.append(len(buffer_payloads) - 1)
         else:
             tensor_buffer.append(0)
+    return buffer_payloads, tensor_buffer
 
-    tensor_offsets = []
-    for i, spec in enumerate(specs):
-        name = builder.CreateString(f"t{i}")
-        shape = _int_vector(builder, spec.shape)
-        quant = _build_quantization(builder, spec)
-        tflite.TensorStart(builder)
-        tflite.TensorAddShape(builder, shape)
-        tflite.TensorAddType(builder, _DTYPES[spec.dtype][0])
-        tflite.TensorAddBuffer(builder, tensor_buffer[i])
-        tflite.TensorAddName(builder, name)
-        if quant is not None:
-            tflite.TensorAddQuantization(builder, quant)
-        tensor_offsets.append(tflite.TensorEnd(builder))
 
-    # Operator inputs in the caller's order; an absent (None) input is -1.
-    op_inputs, graph_inputs, k = [], [], 0
-    for s in inputs:
-        if s is None:
-            op_inputs.append(-1)
-            continue
-        op_inputs.append(k)
-        if s.data is None:
-            graph_inputs.append(k)
-        k += 1
-    op_outputs = list(range(k, k + len(outputs)))
+def _tensor(builder, i: int, spec: TensorSpec, buffer: int):
+    """Tensor ``t{i}`` of ``spec`` on ``buffer``."""
+    name = builder.CreateString(f"t{i}")
+    shape = _int_vector(builder, spec.shape)
+    quant = _build_quantization(builder, spec)
+    tflite.TensorStart(builder)
+    tflite.TensorAddShape(builder, shape)
+    tflite.TensorAddType(builder, _DTYPES[spec.dtype][0])
+    tflite.TensorAddBuffer(builder, buffer)
+    tflite.TensorAddName(builder, name)
+    if quant is not None:
+        tflite.TensorAddQuantization(builder, quant)
+    return tflite.TensorEnd(builder)
 
+
+def _operator(builder, op: str, options: dict | None, op_inputs: list[int], op_outputs: list[int]):
+    """The one operator (opcode 0) with its builtin options."""
     opt_type, opt_offset = _build_options(builder, op, options)
     op_in_vec = _int_vector(builder, op_inputs)
     op_out_vec = _int_vector(builder, op_outputs)
@@ -229,8 +255,11 @@ def build_single_op_model(op: str, inputs: list[TensorSpec | None], outputs: lis
     if opt_offset is not None:
         tflite.OperatorAddBuiltinOptionsType(builder, opt_type)
         tflite.OperatorAddBuiltinOptions(builder, opt_offset)
-    operator = tflite.OperatorEnd(builder)
+    return tflite.OperatorEnd(builder)
 
+
+def _subgraph(builder, tensor_offsets: list, graph_inputs: list[int], op_outputs: list[int], operator):
+    """The main subgraph: the tensors, the graph inputs and outputs, the one operator."""
     tflite.SubGraphStartTensorsVector(builder, len(tensor_offsets))
     for t in reversed(tensor_offsets):
         builder.PrependUOffsetTRelative(t)
@@ -247,22 +276,11 @@ def build_single_op_model(op: str, inputs: list[TensorSpec | None], outputs: lis
     tflite.SubGraphAddOutputs(builder, sg_out)
     tflite.SubGraphAddOperators(builder, ops_vec)
     tflite.SubGraphAddName(builder, sg_name)
-    subgraph = tflite.SubGraphEnd(builder)
+    return tflite.SubGraphEnd(builder)
 
-    tflite.OperatorCodeStart(builder)
-    tflite.OperatorCodeAddDeprecatedBuiltinCode(builder, min(code, 127))
-    tflite.OperatorCodeAddBuiltinCode(builder, code)
-    tflite.OperatorCodeAddVersion(builder, 1)
-    opcode = tflite.OperatorCodeEnd(builder)
 
-    buffer_offsets = []
-    for payload in buffer_payloads:
-        data = _aligned_bytes(builder, payload) if payload else None
-        tflite.BufferStart(builder)
-        if data is not None:
-            tflite.BufferAddData(builder, data)
-        buffer_offsets.append(tflite.BufferEnd(builder))
-
+def _finish_model(builder, opcode, subgraph, buffer_offsets: list) -> bytes:
+    """The model table around one opcode, one subgraph and the buffers, serialized."""
     tflite.ModelStartOperatorCodesVector(builder, 1)
     builder.PrependUOffsetTRelative(opcode)
     opcodes_vec = builder.EndVector()
