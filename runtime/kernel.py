@@ -20,6 +20,14 @@ from maceq.runtime.devices import Device, DeviceSpec, FloatStorage
 from maceq.runtime.qtypes import QInfo, QTensor
 
 
+class CallCache(dict):
+    """A kernel plan's calls prepared per input shape (and whatever else keys them), made on a run and reused by the
+    next: a cache, so a pickled model (a worker's copy, a saved result) carries it empty and makes its own again."""
+
+    def __reduce__(self):
+        return (type(self), ())
+
+
 class DType(Enum):
     UINT8 = "uint8"
     FLOAT = "float"

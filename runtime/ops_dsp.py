@@ -25,7 +25,7 @@ from maceq.errors import MaceqError
 from maceq.mace.enums import EltwiseType, PoolingType, ReduceType
 from maceq.runtime.devices import Device
 from maceq.runtime.graph import RtOp
-from maceq.runtime.kernel import Kernel
+from maceq.runtime.kernel import CallCache, Kernel
 from maceq.runtime.kernels import dsp as K
 from maceq.runtime.kernels import nnlib_ref as R
 from maceq.runtime.ops import op_pads, pooling_type
@@ -142,8 +142,8 @@ class _DspConv(Kernel):
                              ctx.spec.supernode_variant or K.SupernodeVariant.D32, tuple(self._kernel_hw(op, ctx)),
                              op_pads(op), _padding(op))
 
-    def plan(self, op: RtOp, params, ctx) -> dict:
-        return {}  # the node's K.NodeCall per input shape and ranges, with the arrays it was made for
+    def plan(self, op: RtOp, params, ctx) -> CallCache:
+        return CallCache()  # the node's K.NodeCall per input shape and ranges, with the arrays it was made for
 
     def run(self, prepared, inputs):
         x, w = inputs[:2]

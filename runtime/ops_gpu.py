@@ -18,7 +18,7 @@ from maceq.mace.enums import EltwiseType, PoolingType, ReduceType
 from maceq.runtime import ops_float as _F
 from maceq.runtime.devices import Device
 from maceq.runtime.graph import RtOp
-from maceq.runtime.kernel import Kernel
+from maceq.runtime.kernel import CallCache, Kernel
 from maceq.runtime.kernels import float_ops as KF
 from maceq.runtime.kernels import gpu as K
 from maceq.runtime.ops import op_pads, pooling_type
@@ -65,7 +65,7 @@ class GpuConvPlan:
     backend: object
     scale_c: np.ndarray  # the params' scale_c as the float32 buffer the kernels take
     # the simulation's kernels.gpu.ConvCall per input shape, with the weights and bias arrays it was made for
-    calls: dict = field(default_factory=dict, compare=False, repr=False)
+    calls: CallCache = field(default_factory=CallCache, compare=False, repr=False)
 
     def run(self, kind: str, x: np.ndarray, w: np.ndarray, b: np.ndarray, **kwargs) -> np.ndarray:
         """``backend.<kind>(x, w, b, scale_c=..., **kwargs)``; on the simulation through a ConvCall made on the first

@@ -48,6 +48,26 @@ def test_devices_compute_different_codes(fmnist_devices, shared_data):
     assert len({int(np.argmax(r.outputs["logits"])) for r in runs.values()}) == 1
 
 
+def test_a_model_pickles_after_runs_on_every_device(fmnist_devices, shared_data):
+    """A model whose plans hold calls prepared by its runs (the gpu's ConvCall, nnlib's NodeCall) pickles, its copy
+    carries those caches empty, and the copy's runs give the same outputs as the original's."""
+    import pickle
+
+    from maceq.runtime.kernel import CallCache
+
+    x = _images(shared_data, 2)
+    for device, model in fmnist_devices.items():
+        want = model.run({"input": x}, device=device)["logits"]
+        caches = [p.plan for plan in model._prepared.values() for ops in plan._prepared for p in ops.values()
+                  if isinstance(getattr(p.plan, "calls", p.plan), CallCache)]
+        assert (len(caches) > 0) == (device != "cpu") and all(len(getattr(c, "calls", c)) for c in caches)
+        copy = pickle.loads(pickle.dumps(model))
+        copied = [p.plan for plan in copy._prepared.values() for ops in plan._prepared for p in ops.values()
+                  if isinstance(getattr(p.plan, "calls", p.plan), CallCache)]
+        assert len(copied) == len(caches) and not any(len(getattr(c, "calls", c)) for c in copied)
+        assert np.array_equal(copy.run({"input": x}, device=device)["logits"], want)
+
+
 def test_dsp_ranges_and_placement(fmnist_devices):
     dsp = fmnist_devices["dsp"]
     w = dsp.const_qinfo["onnx::Conv_212"]
