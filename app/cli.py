@@ -33,7 +33,7 @@ from maceq.mace.format import check_model_name
 from maceq.quant.config import QuantConfig, load_config
 from maceq.reports.budget import run_check
 from maceq.reports.cost import float_share
-from maceq.reports.evaluate import device_path_lines, evaluate, evaluate_segmentation
+from maceq.reports.evaluate import device_path_lines, evaluate, evaluate_many, evaluate_segmentation
 from maceq.reports.report import make_report
 from maceq.reports.verdict import verdict_lines
 from maceq.runtime.devices import Device
@@ -431,9 +431,9 @@ def _evaluate_quantized(args, opts: _QuantizeOptions, res) -> int:
         return 0
     data = ImageFolder(args.eval_dir, opts.pre, labels=args.labels or "auto", classes=opts.extra_meta.get("classes"))
     print(f"evaluation on {args.eval_dir}:")
-    evals = {}
-    for device, f in res.per_device.items():
-        evals[device] = result = evaluate(load(f.yml), args.model, data, device=device, progress=not args.quiet)
+    evals = evaluate_many({device: load(f.yml) for device, f in res.per_device.items()}, args.model, data,
+                          progress=not args.quiet)
+    for result in evals.values():
         for line in result.lines():
             print(line)
     if args.report or args.budget:

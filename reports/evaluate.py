@@ -168,64 +168,73 @@ class _Tally:
         return sqnr_db(math.fsum(self.signal), math.fsum(self.noise))
 
 
-def _tally(model: Model, float_model, data: ImageFolder, *, device, batch_size: int, report) -> _Tally:
-    """Top-1 agreement, top-5 containment and label hits of ``data``, image by image.
+def _tally(models: dict[str, Model], float_model, data: ImageFolder, *, batch_size: int, report) -> dict:
+    """Per device (``models``: device -> its model of one float model), the top-1 agreement, top-5 containment and
+    label hits of ``data``, image by image: each batch decoded and run through the float model once for them all.
 
     Where the simulation runs on one thread (a worker process, of which there is one per core, or a busy
     machine: runtime/threads.py), onnxruntime's float model does too: its pool's threads keep spinning after
     each batch, on the core another worker's simulation needs (2 workers on 2 CPUs: 1.23x over one worker
     with its default pool, 1.47x with one thread)."""
-    in_name, out_name = model.input_names[0], model.output_names[0]
-    sess = make_session(float_model, input_shape=model.input_shape(in_name),
+    first = next(iter(models.values()))
+    sess = make_session(float_model, input_shape=first.input_shape(first.input_names[0]),
                         intra_op_threads=1 if threads.current() == 1 else None)
     f_in = sess.get_inputs()[0].name
     runner = BatchedSession(sess, f_in)
     outs = [o.name for o in sess.get_outputs()]
-    f_out = outs.index(out_name) if out_name in outs else 0
-    t = _Tally()
+    tallies = {d: _Tally() for d in models}
     for batch in data.iter_batches(batch_size):
-        f_logits = runner.run(None, {f_in: batch.data})[f_out].reshape(len(batch.data), -1)
-        t.classes = int(f_logits.shape[1])
-        for k in range(len(batch.data)):
-            q_logits = model.run({in_name: batch.data[k:k + 1]}, device=device)[out_name].reshape(-1)
-            f_top = int(np.argmax(f_logits[k]))
-            q_order = np.argsort(-q_logits, kind="stable")
-            f64, q64 = f_logits[k].astype(np.float64), q_logits.astype(np.float64)
-            t.signal.append(float(np.sum(f64 * f64)))
-            t.noise.append(float(np.sum((f64 - q64) ** 2)))
-            t.agree += int(q_order[0] == f_top)
-            t.top5 += int(f_top in q_order[:5])
-            if batch.labels is not None:
-                t.f_correct += int(f_top == batch.labels[k])
-                t.q_correct += int(q_order[0] == batch.labels[k])
-            t.images += 1
+        f_all = runner.run(None, {f_in: batch.data})
+        for d, model in models.items():
+            out_name = model.output_names[0]
+            f_logits = f_all[outs.index(out_name) if out_name in outs else 0].reshape(len(batch.data), -1)
+            _count(tallies[d], model, d, f_logits, batch)
         if report is not None:
             report(len(batch.data))
-    t.skipped = data.skipped
-    return t
+    for t in tallies.values():
+        t.skipped = data.skipped
+    return tallies
+
+
+def _count(t: _Tally, model: Model, device: str, f_logits: np.ndarray, batch) -> None:
+    """Add one batch's images to ``t``: the model's outputs on ``device`` against the float logits."""
+    in_name, out_name = model.input_names[0], model.output_names[0]
+    t.classes = int(f_logits.shape[1])
+    for k in range(len(batch.data)):
+        q_logits = model.run({in_name: batch.data[k:k + 1]}, device=device)[out_name].reshape(-1)
+        f_top = int(np.argmax(f_logits[k]))
+        q_order = np.argsort(-q_logits, kind="stable")
+        f64, q64 = f_logits[k].astype(np.float64), q_logits.astype(np.float64)
+        t.signal.append(float(np.sum(f64 * f64)))
+        t.noise.append(float(np.sum((f64 - q64) ** 2)))
+        t.agree += int(q_order[0] == f_top)
+        t.top5 += int(f_top in q_order[:5])
+        if batch.labels is not None:
+            t.f_correct += int(f_top == batch.labels[k])
+            t.q_correct += int(q_order[0] == batch.labels[k])
+        t.images += 1
 
 
 @dataclass(frozen=True)
 class _EvalJob:
-    """What each evaluation shard needs: the quantized model as read, the float model, the device."""
+    """What each evaluation shard needs: each device's quantized model as read, the float model."""
 
-    loaded: object
+    loaded: tuple  # (device, Model.loaded) pairs
     float_model: str
-    device: str
     batch_size: int
 
 
-def _eval_shard(job: _EvalJob, shard: ImageFolder, report) -> _Tally:
-    """One shard of whole batches, in a worker process or Ray task."""
+def _eval_shard(job: _EvalJob, shard: ImageFolder, report) -> dict:
+    """One shard of whole batches, in a worker process or Ray task: its tally per device."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreadableImageWarning)
         try:
-            return _tally(Model(job.loaded), job.float_model, shard, device=job.device, batch_size=job.batch_size,
-                          report=report)
+            return _tally({d: Model(loaded) for d, loaded in job.loaded}, job.float_model, shard,
+                          batch_size=job.batch_size, report=report)
         except MaceqError:
             if shard.skipped != len(shard.files):
                 raise
-            return _Tally(skipped=shard.skipped)  # no readable image in this shard
+            return {d: _Tally(skipped=shard.skipped) for d, _ in job.loaded}  # no readable image in this shard
 
 
 def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *, device: str = "cpu",
@@ -235,19 +244,43 @@ def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *,
 
     ``workers`` > 1 shards the images in whole batches over local processes or Ray tasks
     (``executor``); the counts are summed, so the result does not depend on ``workers``."""
-    bar = tqdm(total=len(data), desc=f"eval {device}", unit="img", disable=not progress or not sys.stderr.isatty(),
+    return evaluate_many({device: model}, float_model, data, batch_size=batch_size, progress=progress,
+                         workers=workers, executor=executor, ray_address=ray_address)[device]
+
+
+def evaluate_many(models: dict[str, Model], float_model: str | os.PathLike, data: ImageFolder, *,
+                  batch_size: int = 16, progress: bool = True, workers: int = 1, executor: str = "local",
+                  ray_address: str | None = None) -> dict[str, EvalResult]:
+    """:func:`evaluate` for several devices' models of one float model (device -> model), in one pass: each image
+    is read and run through the float model once, and with ``workers`` > 1 one pool of workers evaluates every
+    device's shards (each worker starts once). Each device's result equals its own :func:`evaluate`."""
+    if not models or len({Device.parse(d) for d in models}) != len(models):
+        raise MaceqError(f"evaluate: give one model per device, got {', '.join(map(str, models)) or 'none'}")
+    shapes = {tuple(m.input_shape(m.input_names[0])) for m in models.values()}
+    if len(shapes) > 1:  # models of different input shapes: one pass each
+        return {d: evaluate(m, float_model, data, device=d, batch_size=batch_size, progress=progress,
+                            workers=workers, executor=executor, ray_address=ray_address) for d, m in models.items()}
+    names = ", ".join(str(d) for d in models)
+    bar = tqdm(total=len(data), desc=f"eval {names}", unit="img", disable=not progress or not sys.stderr.isatty(),
                leave=False)
     with bar:
         if check_workers(workers) == 1:
-            t = _tally(model, float_model, data, device=device, batch_size=batch_size, report=bar.update)
+            tallies = _tally(dict(models), float_model, data, batch_size=batch_size, report=bar.update)
         else:
-            t = _Tally()
+            tallies = {d: _Tally() for d in models}
             shards = [data.shard(a, b) for a, b in shard_ranges(len(data), batch_size=batch_size, shards=workers)]
-            job = _EvalJob(model.loaded, os.fspath(float_model), Device.parse(device).value, batch_size)
+            job = _EvalJob(tuple((Device.parse(d).value, m.loaded) for d, m in models.items()),
+                           os.fspath(float_model), batch_size)
+            keys = dict(zip((Device.parse(d).value for d in models), models))
             with TaskPool(job, executor=executor, workers=workers, ray_address=ray_address,
                           progress_queue=True) as pool:
                 for part in pool.map(_eval_shard, shards, on_progress=bar.update):
-                    t.add(part)
+                    for d, t in part.items():
+                        tallies[keys[d]].add(t)
+    return {d: _result(models[d], d, tallies[d], data) for d in models}
+
+
+def _result(model: Model, device: str, t: _Tally, data: ImageFolder) -> EvalResult:
     if t.images == 0:
         raise MaceqError(f"{data.root}: no readable image to evaluate")
     labels = data.labels is not None

@@ -54,7 +54,7 @@ from maceq.quant.config import LayerOverride, QuantConfig
 from maceq.reports.analysis import analyze_layers, float_reference
 from maceq.reports.budget import Budget, evaluate_budget, load_budget
 from maceq.reports.cost import float_share
-from maceq.reports.evaluate import evaluate
+from maceq.reports.evaluate import evaluate_many
 from maceq.reports.verdict import READING, verdict
 from maceq.runtime.model import load
 from maceq.yamlio import atomic_write
@@ -578,7 +578,7 @@ def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: st
     (``QuantizeResult.graph``) or an ONNX path; default: the source model the quantizer recorded.
     ``analysis_images``: the layer analysis runs on this many evenly spaced images (None: all).
     ``evals``: EvalResults already measured (not run again). ``budget``: a Budget or a path.
-    ``workers``/``executor``/``ray_address``: the evaluation's shards (:func:`evaluate`).
+    ``workers``/``executor``/``ray_address``: the evaluation's shards (:func:`evaluate_many`: every device in one pass).
     """
 
     def _load(m):
@@ -604,12 +604,13 @@ def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: st
         budget = load_budget(budget)
     evals = dict(evals or {})
     sub = evenly_spaced(images, analysis_images)
+    todo = {d: m for d, m in models.items() if d not in evals}
+    if todo:  # every device in one pass: each image read and run through the float model once
+        _phase(progress, f"evaluating {', '.join(todo)} on {len(images)} images")
+        evals.update(evaluate_many(todo, source, images, batch_size=batch_size, progress=progress, workers=workers,
+                                   executor=executor, ray_address=ray_address))
     layers = {}
     for k, (d, m) in enumerate(models.items(), 1):
-        if d not in evals:
-            _phase(progress, f"[{k}/{len(models)}] {d}: evaluating on {len(images)} images")
-            evals[d] = evaluate(m, source, images, device=d, batch_size=batch_size, progress=progress,
-                                workers=workers, executor=executor, ray_address=ray_address)
         _phase(progress, f"[{k}/{len(models)}] {d}: per-layer analysis on {len(sub.files)} images")
         layers[d] = analyze_layers(m, float_model, sub, device=d, progress=progress)
     report = build_report(models, float_model=float_model, evals=evals, layers=layers, images=images,

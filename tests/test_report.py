@@ -27,11 +27,12 @@ import pytest
 from maceq.datasets.images import ImageFolder
 from maceq.datasets.labels import FASHION_MNIST_CLASSES
 from maceq.datasets.preprocess import PRESETS
+from maceq.errors import MaceqError
 from maceq.quant.config import QuantConfig
 from maceq.app.pipeline import quantize
 from maceq.reports.analysis import analyze_layers
 from maceq.reports.budget import budget_from_dict
-from maceq.reports.evaluate import evaluate
+from maceq.reports.evaluate import evaluate, evaluate_many
 from maceq.reports.report import (SCHEMA_PATH, build_report, evenly_spaced, render_html, report_json_text,
                                   write_report)
 from maceq.runtime import load
@@ -426,3 +427,22 @@ def test_verdict_follows_the_budget_and_names_the_worst_uint8_layers(real):
         fs = float_share(m, device)
         assert real.report["float_share"][device]["line"] == fs.describe()
     assert 'id="verdict-table"' in render_html(real.report)
+
+
+def test_evaluate_many_equals_each_device_alone(real, monkeypatch):
+    """Every device in one pass, in this process (each batch read and run through the float model once for all the
+    devices) and on two worker processes (one pool for all of them): each device's result equals its own
+    evaluate()."""
+    from maceq.calibrate.runner import BatchedSession
+
+    want = {d: r.to_dict() for d, r in real.evals.items()}
+    float_runs = []
+    real_run = BatchedSession.run
+    monkeypatch.setattr(BatchedSession, "run", lambda self, *a, **k: float_runs.append(1) or real_run(self, *a, **k))
+    got = evaluate_many(real.models, real.onnx_path, real.data, progress=False)
+    assert len(real.models) == 2 and len(float_runs) == -(-len(real.data) // 16)
+    assert list(got) == list(real.models) and {d: r.to_dict() for d, r in got.items()} == want
+    got = evaluate_many(real.models, real.onnx_path, real.data, progress=False, workers=2)
+    assert {d: r.to_dict() for d, r in got.items()} == want
+    with pytest.raises(MaceqError, match="one model per device"):
+        evaluate_many({"cpu": real.models["cpu"], "CPU": real.models["cpu"]}, real.onnx_path, real.data)
