@@ -214,6 +214,41 @@ def test_running_error_formulas_and_edge_cases():
         RunningError().add(np.zeros(3), np.zeros(4))
 
 
+def test_running_error_of_codes_equals_the_dequantized_tensor():
+    """add_tensor's compiled pass over the float values and the uint8 codes equals add() of the dequantized tensor in
+    the float layout: 4-D (NCHW against NHWC), flat, exact and saturating values; float tensors, and 4-D shapes that
+    do not pair, take add() itself."""
+    from maceq.reports.analysis import error_sums_path, to_float_layout
+    from maceq.runtime.qtypes import QInfo
+
+    rng = np.random.default_rng(8)
+    cases = [((2, 5, 7, 3), (2, 7, 3, 5)), ((1, 40), (1, 40)), ((1, 16, 1, 1), (1, 16)), ((1, 3, 4, 9), (1, 4, 9, 3))]
+    for f_shape, q_shape in cases:
+        q = rng.integers(0, 256, q_shape, dtype=np.uint8)
+        t = QTensor(q, QInfo(float(np.float32(rng.uniform(0.01, 0.2))), int(rng.integers(0, 256))))
+        f = to_float_layout(t.dequantize(), np.empty(f_shape, np.float32)).copy()
+        f.reshape(-1)[::3] += rng.normal(size=f.reshape(-1)[::3].size).astype(np.float32)  # the rest exact
+        want, got = RunningError(), RunningError()
+        for _ in range(2):
+            want.add(f, to_float_layout(t.dequantize(), f))
+            got.add_tensor(f, t)
+        assert error_sums_path(f, t) == "compiled"
+        assert_stats(got.stats(), want.stats().__dict__, rel=1e-12)
+        assert got.max_abs == want.max_abs and got.elements == want.elements == 2 * f.size
+    same = RunningError()
+    same.add_tensor(t.dequantize().transpose(0, 3, 1, 2).copy(), t)
+    assert same.stats().sqnr_db == math.inf and same.max_abs == 0.0
+    floats = QTensor(rng.normal(size=(1, 4, 5, 3)).astype(np.float32), None)
+    f = rng.normal(size=(1, 3, 4, 5)).astype(np.float32)
+    assert error_sums_path(f, floats) == "numpy"
+    want, got = RunningError(), RunningError()
+    want.add(f, to_float_layout(floats.dequantize(), f))
+    got.add_tensor(f, floats)
+    assert got == want
+    assert error_sums_path(np.zeros((1, 3, 4, 5), np.float32), QTensor(np.zeros((1, 5, 4, 3), np.uint8),
+                                                                       QInfo(0.1, 0))) == "numpy"
+
+
 def test_bad_inputs(mnv2):
     cal, _, models, data, _, _ = mnv2
     with pytest.raises(MaceqError, match="unknown analysis mode 'both'"):
