@@ -28,6 +28,7 @@ from maceq.runtime.graph import RtOp
 from maceq.runtime.kernel import CallCache, Kernel
 from maceq.runtime.kernels import dsp as K
 from maceq.runtime.kernels import nnlib_ref as R
+from maceq.runtime.kernels.derived import ShapedCall
 from maceq.runtime.ops import op_pads, pooling_type
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import register
@@ -143,7 +144,8 @@ class _DspConv(Kernel):
                              op_pads(op), _padding(op))
 
     def plan(self, op: RtOp, params, ctx) -> CallCache:
-        return CallCache()  # the node's K.NodeCall per input shape and ranges, with the arrays it was made for
+        # the node's prepared call (derived.ShapedCall) per input shape and ranges, with the arrays it was made for
+        return CallCache()
 
     def run(self, prepared, inputs):
         x, w = inputs[:2]
@@ -158,7 +160,7 @@ class _DspConv(Kernel):
         y, mn, mx = hit[2](x.values)
         return [QTensor(y, qinfo_of_range(mn, mx))]
 
-    def _node_call(self, p: DspConvParams, inputs) -> K.NodeCall:
+    def _node_call(self, p: DspConvParams, inputs) -> ShapedCall:
         x, w = inputs[:2]
         x_lo, x_hi = rng(x.qinfo)
         w_lo, w_hi = rng(w.qinfo)

@@ -21,6 +21,7 @@ from maceq.runtime.graph import RtOp
 from maceq.runtime.kernel import CallCache, Kernel
 from maceq.runtime.kernels import float_ops as KF
 from maceq.runtime.kernels import gpu as K
+from maceq.runtime.kernels.derived import view_ident
 from maceq.runtime.ops import op_pads, pooling_type
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import DType, register
@@ -64,11 +65,11 @@ class GpuConvParams:
 class GpuConvPlan:
     backend: object
     scale_c: np.ndarray  # the params' scale_c as the float32 buffer the kernels take
-    # the simulation's kernels.gpu.ConvCall per input shape, with the weights and bias arrays it was made for
+    # the simulation's prepared call (derived.ShapedCall) per input shape, with the weight and bias arrays
     calls: CallCache = field(default_factory=CallCache, compare=False, repr=False)
 
     def run(self, kind: str, x: np.ndarray, w: np.ndarray, b: np.ndarray, **kwargs) -> np.ndarray:
-        """``backend.<kind>(x, w, b, scale_c=..., **kwargs)``; on the simulation through a ConvCall made on the first
+        """``backend.<kind>(x, w, b, scale_c=..., **kwargs)``; on the simulation through a ShapedCall made on the first
         run with this input shape and these arrays (a model's constants: the same objects every run)."""
         if self.backend is not NUMPY:
             return getattr(self.backend, kind)(x, w, b, scale_c=self.scale_c, **kwargs)
@@ -86,12 +87,10 @@ class GpuConvPlan:
 
 
 def _ident(a: np.ndarray) -> tuple:
-    """What makes ``a`` the same array as on an earlier run: the id of the array owning its memory, where ``a``
-    starts in it, its shape, strides and type (a reshape made on every run is the same array)."""
-    root = a
-    while isinstance(root.base, np.ndarray):
-        root = root.base
-    return id(root), a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str
+    """What makes ``a`` the same array as on an earlier run: the id of the array owning its memory and the view of
+    it (derived.view_ident; a reshape made on every run is the same array)."""
+    root, view = view_ident(a)
+    return (id(root),) + view
 
 
 class _GpuConvBase(_GpuKernel):

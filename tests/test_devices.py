@@ -49,7 +49,7 @@ def test_devices_compute_different_codes(fmnist_devices, shared_data):
 
 
 def test_a_model_pickles_after_runs_on_every_device(fmnist_devices, shared_data):
-    """A model whose plans hold calls prepared by its runs (the gpu's ConvCall, nnlib's NodeCall) pickles, its copy
+    """A model whose plans hold calls prepared by its runs (the gpu's convolutions, nnlib's nodes) pickles, its copy
     carries those caches empty, and the copy's runs give the same outputs as the original's."""
     import pickle
 

@@ -12,9 +12,35 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
-__all__ = ["derived"]
+from maceq.errors import MaceqError
+
+__all__ = ["derived", "view_ident", "ShapedCall"]
 
 _CACHE: dict = {}  # id(array) -> (weak reference to it, {key: read-only array derived from it})
+
+
+def view_ident(a: np.ndarray) -> tuple[np.ndarray, tuple]:
+    """(the array owning ``a``'s memory, what tells ``a`` apart among the views of it: shape, strides, offset in it,
+    type). A reshape made on every run of a model's constant has the same of both."""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    offset = a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    return root, (a.shape, a.strides, offset, a.dtype.str)
+
+
+class ShapedCall:
+    """A kernel prepared for one input shape, everything but the input converted once: ``call(x)`` runs it on a
+    uint8 ``x`` of that shape (the gpu's convolutions, nnlib's nodes: a model's op keeps one per input shape)."""
+
+    def __init__(self, shape: tuple, run, what: str):
+        self.shape, self._run, self.what = tuple(shape), run, what
+
+    def __call__(self, x):
+        x = np.asarray(x)
+        if x.shape != self.shape or x.dtype != np.uint8:
+            raise MaceqError(f"{self.what}: made for uint8 input {self.shape}, got {x.dtype} {x.shape}")
+        return self._run(x)
 
 
 def derived(src: np.ndarray, key: Hashable, make: Callable[[np.ndarray], object]):
@@ -24,12 +50,9 @@ def derived(src: np.ndarray, key: Hashable, make: Callable[[np.ndarray], object]
     A view counts as its base array seen through the view's shape, strides, offset and type (a kernel that
     reshapes a model's constant on every run still finds its conversion). ``make`` must return a new array (not
     a view of ``src``: that would keep ``src`` alive for ever)."""
-    root = src
-    while isinstance(root.base, np.ndarray):
-        root = root.base
+    root, view = view_ident(src)
     if root is not src:
-        offset = src.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-        key = (key, src.shape, src.strides, offset, src.dtype.str)
+        key = (key,) + view
     i = id(root)
     entry = _CACHE.get(i)
     if entry is None or entry[0]() is not root:

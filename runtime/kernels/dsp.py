@@ -41,14 +41,14 @@ from maceq.mace.enums import Padding as MacePadding
 from maceq.runtime.kernels import intgemm, jit
 from maceq.runtime.kernels import nnlib_ref as r
 from maceq.runtime.kernels.conv import im2col_rows
-from maceq.runtime.kernels.derived import derived
+from maceq.runtime.kernels.derived import ShapedCall, derived
 from maceq.runtime.kernels.nnlib_ref import INF, Padding
 
 __all__ = [
     "Padding", "SupernodeVariant", "SuperFCVariant", "ohwi_to_hwio", "fc_weight_to_dsp", "padding_for_pads",
     "nnlib_padding", "mace_padding_mode", "supports_conv",
     "quantize_adjust_range",
-    "supernode", "depthwise_supernode", "superfc", "NodeCall", "supernode_call", "depthwise_supernode_call",
+    "supernode", "depthwise_supernode", "superfc", "supernode_call", "depthwise_supernode_call",
     "quantized_add", "quantized_sub", "quantized_concat",
     "quantized_maxpool", "quantized_avgpool", "quantized_mean", "quantize", "quantize_input", "dequantize",
 ]
@@ -654,26 +654,16 @@ def supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out
                           relu=relu, variant=variant, ref_pad_quirk=ref_pad_quirk)(x)
 
 
-class NodeCall:
-    """A dsp node (:func:`supernode`, :func:`depthwise_supernode`) for one input shape with everything but the input
-    prepared once: ``call(x)`` gives the function's (y, y_min, y_max) for a uint8 ``x`` of that shape. A model's
-    node runs with the same filter, bias and ranges every run (runtime/ops_dsp.py keeps one per op and input)."""
-
-    def __init__(self, shape: tuple, run):
-        self.shape = tuple(shape)
-        self._run = run
-
-    def __call__(self, x):
-        x = np.asarray(x)
-        if x.shape != self.shape or x.dtype != np.uint8:
-            raise MaceqError(f"dsp node: made for uint8 input {self.shape}, got {x.dtype} {x.shape}")
-        return self._run(x)
+def _node_call(shape: tuple, run) -> ShapedCall:
+    """An nnlib node prepared for inputs of ``shape``: ``call(x)`` -> (y, y_min, y_max) (a model's op keeps one per
+    input shape and ranges: runtime/ops_dsp.py)."""
+    return ShapedCall(shape, run, "dsp node")
 
 
 def supernode_call(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-INF, out_max=INF,
               strides, padding, relu=None, variant: SupernodeVariant = SupernodeVariant.REF,
-              ref_pad_quirk: bool = False) -> "NodeCall":
-    """:func:`supernode` for inputs of ``x``'s shape, as a :class:`NodeCall`; the same arguments."""
+              ref_pad_quirk: bool = False) -> ShapedCall:
+    """:func:`supernode` for inputs of ``x``'s shape, prepared once (a ShapedCall); same arguments."""
     x, w = _check_conv(x, w, op="Supernode")
     n, h, wd, c = x.shape
     kh, kw, kc, o = w.shape
@@ -691,7 +681,7 @@ def supernode_call(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max
     if variant == SupernodeVariant.D32:
         node = r.supernode_node(c, strides[1])
         if node is not None:
-            return NodeCall(x.shape, _supernode_d32(x.shape, w, bias, node, strides, (bh, bw), (oh, ow), **kw_args))
+            return _node_call(x.shape, _supernode_d32(x.shape, w, bias, node, strides, (bh, bw), (oh, ow), **kw_args))
         ref_pad_quirk = True  # the flat Supernode_8x8p32to8 stays: supernode_execute_hvx
     if ref_pad_quirk:
         bh = r.pad_outsize_before_after(oh, kh, strides[0], mode)[1]
@@ -701,8 +691,8 @@ def supernode_call(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max
             raise MaceqError("dsp Supernode (flat): batch > 1 with filter size not a multiple of 16 ('Batch size > 1 "
                              "not supported with odd in depth for now')")
         if oh > 3:
-            return NodeCall(x.shape, lambda x: _supernode_flat(x, w, bias, strides, (bh, bw), (oh, ow), **kw_args))
-    return NodeCall(x.shape, lambda x: _supernode_ref(x, w, bias, strides, (bh, bw), (oh, ow), **kw_args))
+            return _node_call(x.shape, lambda x: _supernode_flat(x, w, bias, strides, (bh, bw), (oh, ow), **kw_args))
+    return _node_call(x.shape, lambda x: _supernode_ref(x, w, bias, strides, (bh, bw), (oh, ow), **kw_args))
 
 
 def _supernode_flat(x, w, bias, strides, before, out_hw, *, x_min, x_max, w_min, w_max, bias_min, bias_max,
@@ -802,8 +792,8 @@ def depthwise_supernode(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bia
 
 
 def depthwise_supernode_call(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min, bias_max, out_min=-INF,
-                             out_max=INF, strides, padding, relu=None) -> NodeCall:
-    """:func:`depthwise_supernode` for inputs of ``x``'s shape, as a :class:`NodeCall`; the same arguments."""
+                             out_max=INF, strides, padding, relu=None) -> ShapedCall:
+    """:func:`depthwise_supernode` for inputs of ``x``'s shape, prepared once (a ShapedCall); same arguments."""
     x, w = _check_conv(x, w, op="DepthwiseSupernode")
     n, h, wd, c = x.shape
     kh, kw, kc, m = w.shape
@@ -821,7 +811,7 @@ def depthwise_supernode_call(x, w, bias, *, x_min, x_max, w_min, w_max, bias_min
     make_kernel = _d32_kernel(c, gemsumb, lambda x, io: _dw_sums(x, w, io, filt_offset, *geometry),
                               lambda x: _dw_junk_sums(x, w, filt_offset, *geometry),
                               _dw_codes(w, filt_offset, *geometry))
-    return NodeCall(x.shape, _d32_node(w, make_kernel, node=r.DEPTHWISE_D32, out_min=out_min, out_max=out_max,
+    return _node_call(x.shape, _d32_node(w, make_kernel, node=r.DEPTHWISE_D32, out_min=out_min, out_max=out_max,
                                        x_min=x_min, x_max=x_max, fill=_fill_bias_buf_cached,
                                        weights_level=r.fdiv(r.fsub(r.f32(w_max), r.f32(w_min)), r.fmul(255.0, 1.0)),
                                        bias=bias, bias_min=bias_min, bias_max=bias_max, gemsumb=gemsumb))

@@ -48,7 +48,7 @@ from maceq.runtime.fixedpoint import wrap_int32
 from maceq.runtime.kernels import intgemm, jit
 from maceq.runtime.kernels.concat import _qpair
 from maceq.runtime.kernels.conv import conv_output_size, im2col_rows
-from maceq.runtime.kernels.derived import derived
+from maceq.runtime.kernels.derived import ShapedCall, derived
 from maceq.runtime.kernels.resize import resize_scale
 
 __all__ = [
@@ -59,7 +59,6 @@ __all__ = [
     "gpu_inverse_scale",
     "gpu_requantize_acc",
     "gpu_requantize_acc_ref",
-    "ConvCall",
     "gpu_conv2d",
     "gpu_conv2d_call",
     "gpu_depthwise_conv2d_call",
@@ -370,21 +369,10 @@ def _conv_ref(a: ConvArgs) -> np.ndarray:
     return out
 
 
-class ConvCall:
-    """A convolution of the simulation (:func:`gpu_conv2d`, :func:`gpu_depthwise_conv2d`,
-    :func:`gpu_fully_connected`) for one input shape, its arguments checked and converted once: ``call(x)`` gives
-    the codes that function gives for a uint8 ``x`` of that shape. A model's convolution runs with the same
-    weights, bias and scales every run (runtime/ops_gpu.py keeps one per op and input shape)."""
-
-    def __init__(self, shape: tuple, run):
-        self.shape = tuple(shape)
-        self._run = run
-
-    def __call__(self, x) -> np.ndarray:
-        x = np.asarray(x)
-        if x.shape != self.shape or x.dtype != np.uint8:
-            raise MaceqError(f"gpu convolution: made for uint8 input {self.shape}, got {x.dtype} {x.shape}")
-        return self._run(x)
+def _conv_call(shape: tuple, run) -> ShapedCall:
+    """A gpu convolution prepared for inputs of ``shape`` (a model's op keeps one per input shape:
+    runtime/ops_gpu.py)."""
+    return ShapedCall(shape, run, "gpu convolution")
 
 
 def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 1),
@@ -410,8 +398,8 @@ def gpu_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 
 
 
 def gpu_conv2d_call(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 1),
-                    pads=(0, 0, 0, 0), dilations=(1, 1)) -> ConvCall:
-    """:func:`gpu_conv2d` for inputs of ``x``'s shape, as a :class:`ConvCall`; the same arguments."""
+                    pads=(0, 0, 0, 0), dilations=(1, 1)) -> ShapedCall:
+    """:func:`gpu_conv2d` for inputs of ``x``'s shape, prepared once (a ShapedCall); same arguments."""
     a = conv_args("gpu_conv2d", x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c, strides=strides,
                   pads=pads, dilations=dilations, depthwise=False)
     k = a.kh * a.kw * a.c
@@ -420,15 +408,15 @@ def gpu_conv2d_call(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides
     shape = (a.x.shape[0], a.oh, a.ow, a.o)
     if f is not None:  # the same sums exactly in integers on the integer tiles (runtime/kernels/intgemm.py)
         tiles = intgemm.GpuPointwiseCall(a.x_zp, f, a.bias, a.scale, a.out_zp)
-        return ConvCall(a.x.shape, lambda x: tiles(_im2col_rows(a, x)).reshape(shape))
+        return _conv_call(a.x.shape, lambda x: tiles(_im2col_rows(a, x)).reshape(shape))
     if path != "wrap" and jit.gemm_available():
         # the sums below (in any order: exact integers) and _requantize_sums' steps per block of rows, compiled;
         # other than 1x1 convs, on the im2col rows of x (tests/test_gpu_opencl.py)
         wt = _gemm_filter(a.w)
-        return ConvCall(a.x.shape, lambda x: jit.gpu_pointwise(
+        return _conv_call(a.x.shape, lambda x: jit.gpu_pointwise(
             _im2col_rows(a, x), a.x_zp, wt, a.bias, a.scale, a.out_zp, chunk=F32_EXACT_TERMS,
             wide=path == "float64").reshape(shape))
-    return ConvCall(a.x.shape, lambda x: _conv2d_taps(dataclasses.replace(a, x=x)).reshape(shape))
+    return _conv_call(a.x.shape, lambda x: _conv2d_taps(dataclasses.replace(a, x=x)).reshape(shape))
 
 
 def _conv2d_taps(a: ConvArgs) -> np.ndarray:
@@ -521,8 +509,8 @@ def gpu_depthwise_conv2d(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, st
 
 
 def gpu_depthwise_conv2d_call(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c, strides=(1, 1),
-                              pads=(0, 0, 0, 0), dilations=(1, 1)) -> ConvCall:
-    """:func:`gpu_depthwise_conv2d` for inputs of ``x``'s shape, as a :class:`ConvCall`; the same arguments."""
+                              pads=(0, 0, 0, 0), dilations=(1, 1)) -> ShapedCall:
+    """:func:`gpu_depthwise_conv2d` for inputs of ``x``'s shape, prepared once (a ShapedCall); same arguments."""
     a = conv_args("gpu_depthwise_conv2d", x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c,
                   strides=strides, pads=pads, dilations=dilations, depthwise=True)
     exact32 = a.kh * a.kw <= F32_EXACT_TERMS  # the tap-by-tap float32 sum stays an exact integer
@@ -530,9 +518,9 @@ def gpu_depthwise_conv2d_call(x, w, bias=None, *, x_zp: int, out_zp: int, scale_
         # the same float32 steps in one compiled pass (equal to the numpy path below: tests/test_gpu_opencl.py)
         wf = derived(a.w, "gpu_dw_f32", lambda v: v[:, :, :, 0].astype(_F32))
         bias32 = a.bias.astype(_F32)
-        return ConvCall(a.x.shape, lambda x: jit.gpu_depthwise(x, a.x_zp, wf, bias32, a.scale, a.out_zp, a.strides,
+        return _conv_call(a.x.shape, lambda x: jit.gpu_depthwise(x, a.x_zp, wf, bias32, a.scale, a.out_zp, a.strides,
                                                                a.dilations, a.pads, (a.oh, a.ow)))
-    return ConvCall(a.x.shape, lambda x: _depthwise_taps(dataclasses.replace(a, x=x), exact32))
+    return _conv_call(a.x.shape, lambda x: _depthwise_taps(dataclasses.replace(a, x=x), exact32))
 
 
 def _depthwise_taps(a: ConvArgs, exact32: bool) -> np.ndarray:
@@ -574,24 +562,24 @@ def gpu_fully_connected(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c) -> 
     return gpu_fully_connected_call(x, w, bias, x_zp=x_zp, out_zp=out_zp, scale_c=scale_c)(x)
 
 
-def gpu_fully_connected_call(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c) -> ConvCall:
-    """:func:`gpu_fully_connected` for inputs of ``x``'s shape, as a :class:`ConvCall`; the same arguments."""
+def gpu_fully_connected_call(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c) -> ShapedCall:
+    """:func:`gpu_fully_connected` for inputs of ``x``'s shape, prepared once (a ShapedCall); same arguments."""
     x, w, b, s, x_zp, out_zp = _fc_check("gpu_fully_connected", x, w, bias, scale_c, x_zp, out_zp)
     path = sum_path(w.shape[1], b, _F32 if w.shape[1] <= F32_EXACT_TERMS else np.float64)
     if x.shape[0] < intgemm.ROWS and w.shape[1] * 255 * 255 < 2 ** 31 and jit.available():
         # a few rows (a classifier at batch 1-3): the int32 sums with the weights read once, channels on numba's
         # threads (a 4-row tile would compute 1-3 rows of zeros); K * 255 * 128 < 2^31 keeps each exact
         w16 = derived(w, "int16", lambda v: v.astype(np.int16))
-        return ConvCall(x.shape, lambda x: gpu_requantize_acc(wrap_int32(jit.fc_sums(x, x_zp, w16) + b), s, out_zp))
+        return _conv_call(x.shape, lambda x: gpu_requantize_acc(wrap_int32(jit.fc_sums(x, x_zp, w16) + b), s, out_zp))
     f = intgemm.packed(w, 0, _rows_of) if path != "wrap" else None
     if f is not None:  # as the 1x1 conv (gpu_conv2d)
-        return ConvCall(x.shape, intgemm.GpuPointwiseCall(x_zp, f, b, s, out_zp))
+        return _conv_call(x.shape, intgemm.GpuPointwiseCall(x_zp, f, b, s, out_zp))
     if path != "wrap" and jit.gemm_available():  # as the 1x1 conv (gpu_conv2d, _requantize_sums)
         wt = _gemm_filter(w)
-        return ConvCall(x.shape, lambda x: jit.gpu_pointwise(x, x_zp, wt, b, s, out_zp, chunk=F32_EXACT_TERMS,
+        return _conv_call(x.shape, lambda x: jit.gpu_pointwise(x, x_zp, wt, b, s, out_zp, chunk=F32_EXACT_TERMS,
                                                              wide=path == "float64"))
     wf = derived(w, "gpu_f64", lambda v: v.astype(np.float64))
-    return ConvCall(x.shape, lambda x: gpu_requantize_acc(_wrap_acc((x.astype(np.float64) - x_zp) @ wf.T, b), s,
+    return _conv_call(x.shape, lambda x: gpu_requantize_acc(_wrap_acc((x.astype(np.float64) - x_zp) @ wf.T, b), s,
                                                           out_zp))
 
 
