@@ -48,6 +48,7 @@ from maceq.quant.prepare import prepare_graph
 from maceq.reports.evaluate import sqnr_db
 from maceq.runtime.graph import RtOp
 from maceq.runtime.kernels.jit import available as jit_available
+from maceq.runtime.kernels.layout import nchw_to_nhwc
 from maceq.runtime.model import Model, QTensor
 
 try:  # numba is a declared dependency; RunningError.add stays as the fallback
@@ -306,7 +307,7 @@ def quantized_layers(model: Model, producers: dict[str, str]) -> list[QuantLayer
 
 def to_device_layout(x: np.ndarray) -> np.ndarray:
     """A float tensor in the device's layout: NCHW -> NHWC for 4-D, unchanged otherwise."""
-    return np.ascontiguousarray(x.transpose(0, 2, 3, 1)) if x.ndim == 4 else np.ascontiguousarray(x)
+    return nchw_to_nhwc(x) if x.ndim == 4 else np.ascontiguousarray(x)
 
 
 def to_float_layout(q: np.ndarray, like: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ from maceq.runtime import threads as _threads
 from maceq.runtime.devices import Device, DeviceSpec, device_spec
 from maceq.runtime.graph import RtOp, parse_ops
 from maceq.runtime.kernel import Kernel, PrepareContext, PreparedOp
+from maceq.runtime.kernels.layout import nchw_to_nhwc
 from maceq.runtime.qtypes import QInfo, QTensor
 from maceq.runtime.registry import lookup, op_dtype, prepare_op
 
@@ -322,7 +323,7 @@ class Model:
                 raise MaceqError(f"input '{name}' has shape {tuple(x.shape)}, the model expects "
                                  f"{('N',) + tuple(want[1:])}")
             if x.ndim == 4 and self.input_formats[name] == "NCHW":
-                x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+                x = nchw_to_nhwc(x)
             values[name] = QTensor(x, None)
         for name in inputs:
             if name not in self.input_info:

@@ -326,6 +326,59 @@ def test_pad_compiled_equals_the_reference_on_every_axis(monkeypatch):
     assert calls["compiled"] == 60  # the last input is empty on an axis: its output is all pad code
 
 
+def test_nchw_to_nhwc_compiled_equals_numpys_transpose(monkeypatch):
+    """The graph inputs' layout change by one compiled pass: equal to numpy's transposed copy for float32, float64
+    and uint8, 1-5 channels, non-contiguous and empty inputs; the compiled pass ran for every non-empty one and the
+    result is a C-contiguous copy."""
+    from maceq.runtime.kernels import jit as k_jit
+    from maceq.runtime.kernels import layout as k_layout
+
+    calls = Counter()
+    real = k_jit._nchw_to_nhwc
+    monkeypatch.setattr(k_jit, "_nchw_to_nhwc", lambda *a: (calls.update(["compiled"]), real(*a))[1])
+    rng = np.random.default_rng(21)
+    for i, dtype in enumerate([np.float32, np.float64, np.uint8] * 8):
+        shape = (int(rng.integers(1, 4)), int(rng.integers(1, 6)), int(rng.integers(1, 9)), int(rng.integers(1, 9)))
+        x = (rng.standard_normal(shape) * 50).astype(dtype)
+        if i % 4 == 3:
+            x = np.asfortranarray(x)
+        got = k_layout.nchw_to_nhwc(x)
+        assert got.flags.c_contiguous and got.dtype == x.dtype
+        assert np.array_equal(got, x.transpose(0, 2, 3, 1)), (shape, dtype)
+    assert calls["compiled"] == 24
+    assert k_layout.nchw_to_nhwc(np.zeros((0, 3, 4, 4), np.float32)).shape == (0, 4, 4, 3)
+    assert calls["compiled"] == 24
+    with pytest.raises(MaceqError, match="4-D"):
+        k_layout.nchw_to_nhwc(np.zeros((3, 4, 4), np.float32))
+
+
+def test_reduce_mean_compiled_equals_the_reference(monkeypatch):
+    """Reduce MEAN over H and W (a global average pool) by one compiled pass: equal to reduce.reduce_mean_ref's
+    transcription of MACE's loops, axes given either way, with and without keepdims; other axes keep the numpy
+    path. Past 2^32 / 255 elements the sum wraps as MACE's uint32 accumulator does, equal to the numpy path."""
+    from maceq.runtime.kernels import jit as k_jit
+    from maceq.runtime.kernels import reduce as k_reduce
+
+    calls = Counter()
+    real = k_jit._hw_sums
+    monkeypatch.setattr(k_jit, "_hw_sums", lambda *a: (calls.update(["compiled"]), real(*a))[1])
+    rng = np.random.default_rng(22)
+    for i in range(24):
+        shape = (int(rng.integers(1, 4)), int(rng.integers(1, 8)), int(rng.integers(1, 8)), int(rng.integers(1, 40)))
+        x = rng.integers(0, 256, shape, dtype=np.uint8) if i % 3 else np.full(shape, 255 * (i % 2), np.uint8)
+        for axes in ((1, 2), (-3, -2), (1,), (2, 3)):
+            for keep in (True, False):
+                got = k_reduce.reduce_mean(x, axes=axes, keepdims=keep)
+                want = k_reduce.reduce_mean_ref(x, axes=axes, keepdims=keep)
+                assert got.shape == want.shape and np.array_equal(got, want), (shape, axes, keep)
+    assert calls["compiled"] == 24 * 4
+    big = np.full((1, 4105, 4105, 1), 255, np.uint8)  # 4105^2 * 255 > 2^32: the accumulator wraps
+    got = k_reduce.reduce_mean(big, axes=(1, 2))
+    monkeypatch.setenv("MACEQ_NO_JIT", "1")
+    assert calls["compiled"] == 24 * 4 + 1 and np.array_equal(got, k_reduce.reduce_mean(big, axes=(1, 2)))
+    assert int(got[0, 0, 0, 0]) == (4105 * 4105 * 255 - 2 ** 32 + 4105 * 4105 // 2) // (4105 * 4105)
+
+
 # ----------------------------------------------------------------------------- FullyConnected
 
 def test_fully_connected_fast_equals_ref(loops, monkeypatch):
@@ -345,7 +398,8 @@ def test_fully_connected_fast_equals_ref(loops, monkeypatch):
         x = rng.integers(0, 256, (n, k), dtype=np.uint8)
         wt = rng.integers(0, 256, (o, k), dtype=np.uint8)
         bias = rng.integers(-(1 << 31), (1 << 31) - 1, o).astype(np.int32) if i % 3 else None
-        zps = dict(x_zp=int(rng.integers(256)), w_zp=int(rng.integers(256)), out_zp=int(rng.integers(256)))
+        w_zp = int(rng.integers(256)) if i % 2 else rng.integers(0, 256, o)  # one, or one per channel
+        zps = dict(x_zp=int(rng.integers(256)), w_zp=w_zp, out_zp=int(rng.integers(256)))
         rounding = list(FloatRequant)[i % 3]
         m = np.float32(rng.uniform(1e-6, 0.05))
         plan = fully_connected_plan(wt, bias, **zps, multiplier=m, rounding=rounding)

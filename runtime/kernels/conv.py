@@ -1117,12 +1117,10 @@ class DepthwiseConv2dPlan:
             key = (np.dtype(dtype).str, x.shape, jit._num_threads())
             call = self._jit_calls.get(key)
             if call is None:
-                wkey = (np.dtype(dtype).str, g.ow)
-                wt = self._jit_w.get(wkey)
-                if wt is None:  # the offset filter tiled along an output row: [KH, KW, OW*C]
-                    wt = np.broadcast_to(self.wo[:, :, None, :, 0], (kh, kw, g.ow, c)).astype(dtype)
-                    wt = self._jit_w[wkey] = wt.reshape(kh, kw, g.ow * c)
-                call = self._jit_calls[key] = jit.DepthwiseCall(self.x_zp, wt, g, self.rq)
+                wk = self._jit_w.get(key[0])
+                if wk is None:  # the offset filter [KH, KW, C] in the accumulator type
+                    wk = self._jit_w[key[0]] = np.ascontiguousarray(self.wo[:, :, :, 0], dtype=dtype)
+                call = self._jit_calls[key] = jit.DepthwiseCall(self.x_zp, wk, g, self.rq)
             call(x, out)
             return out
         groups = self._tap_groups(g, dtype)
@@ -1212,14 +1210,16 @@ class FullyConnectedPlan:
         self.wt = {np.float64: np.ascontiguousarray(wo.T, dtype=np.float64)}
         if 255 * self.l1_max < _F32_INT:
             self.wt[np.float32] = np.ascontiguousarray(wo.T, dtype=np.float32)
-        # compiled int32 sums: every |w - w_zp| <= 255 and K * 255 * 255 < 2^31 bound each |G| below 2^31
-        small = wo.size and int(np.abs(wo).max()) <= 255 and wo.shape[1] * 255 * 255 < 2 ** 31
-        self.wo16 = np.ascontiguousarray(wo, dtype=np.int16) if small else None
+        # compiled int32 sums on the stored uint8 weights: w and w_zp in [0, 255] (so |w - w_zp| <= 255) and
+        # K * 255 * 255 < 2^31 bound each |G| below 2^31 (jit.fc_sums)
+        small = (w.dtype == np.uint8 and wo.size and 0 <= int(self.p.w_zp.min()) and int(self.p.w_zp.max()) <= 255
+                 and wo.shape[1] * 255 * 255 < 2 ** 31)
+        self.w8 = (np.ascontiguousarray(w), self.p.w_zp.astype(np.int32)) if small else None
 
     def __call__(self, x) -> np.ndarray:
         x, _ = _fc_setup(x, self.w, "fully_connected")
-        if self.wo16 is not None and x.dtype == np.uint8 and 0 <= self.x_zp <= 255 and jit.available():
-            g = jit.fc_sums(x, self.x_zp, self.wo16).astype(np.int64)  # |x - x_zp| <= 255
+        if self.w8 is not None and x.dtype == np.uint8 and 0 <= self.x_zp <= 255 and jit.available():
+            g = jit.fc_sums(x, self.x_zp, *self.w8).astype(np.int64)  # |x - x_zp| <= 255
         else:
             xb = _x_bound(x.dtype, self.x_zp)
             dt = np.float32 if xb is not None and xb * self.l1_max < _F32_INT and np.float32 in self.wt else np.float64

@@ -863,8 +863,8 @@ def _superfc_sums(x, w, in_offset: int, filt_offset: int) -> np.ndarray:
     (K < 2^37)."""
     if x.shape[0] < intgemm.ROWS and w.shape[0] * PRODUCT_MAX < 2 ** 31 and jit.available() and 0 <= in_offset <= 255:
         # a few rows: the int32 sums with the weights read once (a 4-row tile would compute 1-3 rows of zeros)
-        wo = derived(w, ("offset rows int16", filt_offset), lambda v: (v.T.astype(np.int16) - filt_offset).copy())
-        return jit.fc_sums(x, in_offset, wo).astype(np.int64)
+        rows = derived(w, "rows", lambda v: np.ascontiguousarray(v.T))
+        return jit.fc_sums(x, in_offset, rows, np.full(rows.shape[0], filt_offset, np.int32)).astype(np.int64)
     f = _packed(w.reshape(1, 1, *w.shape), filt_offset) if jit.gemm_available() and 0 <= in_offset <= 255 else None
     if f is not None:
         return intgemm.pointwise_sums(x, in_offset, f)

@@ -569,8 +569,7 @@ def gpu_fully_connected_call(x, w, bias=None, *, x_zp: int, out_zp: int, scale_c
     if x.shape[0] < intgemm.ROWS and w.shape[1] * 255 * 255 < 2 ** 31 and jit.available():
         # a few rows (a classifier at batch 1-3): the int32 sums with the weights read once, channels on numba's
         # threads (a 4-row tile would compute 1-3 rows of zeros); K * 255 * 128 < 2^31 keeps each exact
-        w16 = derived(w, "int16", lambda v: v.astype(np.int16))
-        return _conv_call(x.shape, lambda x: gpu_requantize_acc(wrap_int32(jit.fc_sums(x, x_zp, w16) + b), s, out_zp))
+        return _conv_call(x.shape, lambda x: gpu_requantize_acc(wrap_int32(jit.fc_sums(x, x_zp, w) + b), s, out_zp))
     f = intgemm.packed(w, 0, _rows_of) if path != "wrap" else None
     if f is not None:  # as the 1x1 conv (gpu_conv2d)
         return _conv_call(x.shape, intgemm.GpuPointwiseCall(x_zp, f, b, s, out_zp))

@@ -23,9 +23,9 @@ there), so the exactness arguments carry over unchanged:
   one block, so the result does not depend on the number of threads.
 - ``depthwise_fixed``: G of a depthwise convolution with channel multiplier 1, accumulated tap
   by tap in float32 while X*L1 < 2^24, else float64 (every partial sum is then an integer of
-  magnitude <= X*L1, exact in any order, argument 3), from a per-block buffer of centered,
-  zero-padded input rows; then the requantization per output row. Blocks of output rows run
-  on numba's threads.
+  magnitude <= X*L1, exact in any order, argument 3), from a ring of centered, zero-padded
+  input rows (each centred once per block); then the requantization per output row. Blocks of
+  output rows run on numba's threads.
 - ``quantize_neon`` / ``find_range`` / ``lut_pairs`` / ``lut_pairs_range``: the input Quantize's float32
   steps and MACE's FindMinMax loop, and the Eltwise table look-ups (the gpu's and nnlib's adds too, the
   latter with the min and max of a second table), one pass each. Float32 operations
@@ -39,7 +39,9 @@ there), so the exactness arguments carry over unchanged:
   scalar reference and crafted points where an FMA would differ).
 - ``im2col_rows``: the im2col rows of an integer input (conv.py ``im2col_rows``), a plain copy per output row on
   numba's threads, for the convolutions that run on them (every device's, past 1x1); ``pad4``: the uint8 Pad's
-  fill and copy in one pass on numba's threads; ``fc_sums``: a uint8 FullyConnected's G in int32 (the
+  fill and copy in one pass on numba's threads; ``nchw_to_nhwc``: a float input's NCHW -> NHWC copy (one output
+  row per iteration), for the graph inputs and the report's float taps; ``hw_sums``: Reduce MEAN's uint32 sums over
+  H and W (a global average pool), one pass; ``fc_sums``: a uint8 FullyConnected's G in int32 (the
   offset weights read once per batch, channels on numba's threads): the cpu's, and the gpu's and nnlib's SuperFC
   sums for 1-3 rows, where a 4-row integer tile would compute rows of zeros.
 - ``d32_requant`` / ``hvx_quantize`` / ``dsp_dw_sums`` / ``dsp_junk_sums``: nnlib's d32 requantization, HVX
@@ -75,7 +77,7 @@ except ImportError:  # pragma: no cover - exercised only without numba
 __all__ = ["available", "gemm_available", "requant_store", "depthwise_fixed", "pointwise_conv", "im2col_conv",
            "lut_pairs", "find_range", "quantize_neon", "d32_requant", "gpu_depthwise", "gpu_requant",
            "hvx_quantize", "dsp_dw_sums", "dsp_dw_codes", "dsp_junk_sums", "dsp_pointwise_sums", "gpu_pointwise",
-           "lut_pairs_range", "im2col_rows", "pad4", "fc_sums", "DepthwiseCall"]
+           "lut_pairs_range", "im2col_rows", "pad4", "nchw_to_nhwc", "hw_sums", "fc_sums", "DepthwiseCall"]
 
 
 def available() -> bool:
@@ -128,74 +130,85 @@ if njit is not None:
                         y = np.floor(y)
                     o[c] = np.int32(min(max(y, lo), hi))
 
+    @_jit
+    def _dw_centre_row(x, n, iy, left, z, dst):
+        """dst [WP, C] = padded input row iy of image n, centred (x - z) and zero where it is padding."""
+        h, w, c = x.shape[1], x.shape[2], x.shape[3]
+        if iy < 0 or iy >= h:
+            dst[:, :] = 0
+            return
+        xr = x[n, iy]
+        for j in range(dst.shape[0]):
+            ix, d = j - left, dst[j]
+            if ix < 0 or ix >= w:
+                for ch in range(c):
+                    d[ch] = 0
+            else:
+                src = xr[ix]
+                for ch in range(c):
+                    d[ch] = d.dtype.type(src[ch]) - z
+
+    @_jit
+    def _dw_ring_sums(ring, first, span, wk, sw, dh, dw, acc):
+        """acc [OW, C] = the taps' sum of one output row, whose padded input rows first, first + dh, ... sit in
+        ``ring`` at their index modulo ``span``; a 3x3 kernel's nine taps in one pass per output column."""
+        kh, kw, c = wk.shape
+        ow = acc.shape[0]
+        if kh == 3 and kw == 3:
+            r0, r1, r2 = ring[first % span], ring[(first + dh) % span], ring[(first + 2 * dh) % span]
+            w00, w01, w02, w10, w11, w12 = wk[0, 0], wk[0, 1], wk[0, 2], wk[1, 0], wk[1, 1], wk[1, 2]
+            w20, w21, w22 = wk[2, 0], wk[2, 1], wk[2, 2]
+            for ox in range(ow):
+                j, a = ox * sw, acc[ox]
+                a00, a01, a02 = r0[j], r0[j + dw], r0[j + 2 * dw]
+                a10, a11, a12 = r1[j], r1[j + dw], r1[j + 2 * dw]
+                a20, a21, a22 = r2[j], r2[j + dw], r2[j + 2 * dw]
+                for ch in range(c):
+                    a[ch] = (a00[ch] * w00[ch] + a01[ch] * w01[ch] + a02[ch] * w02[ch]
+                             + a10[ch] * w10[ch] + a11[ch] * w11[ch] + a12[ch] * w12[ch]
+                             + a20[ch] * w20[ch] + a21[ch] * w21[ch] + a22[ch] * w22[ch])
+            return
+        for ox in range(ow):
+            a = acc[ox]
+            for ch in range(c):
+                a[ch] = 0
+            for ky in range(kh):
+                row = ring[(first + ky * dh) % span]
+                for kx in range(kw):
+                    src, wr = row[ox * sw + kx * dw], wk[ky, kx]
+                    for ch in range(c):
+                        a[ch] += src[ch] * wr[ch]
+
     @_pjit
-    def _depthwise_rows(x, zp, wt, sh, sw, dh, dw, top, left, oh, ow, rows, scale, offset, y_theta, step, lo, hi,
+    def _depthwise_rows(x, zp, wk, sh, sw, dh, dw, top, left, oh, ow, rows, scale, offset, y_theta, step, lo, hi,
                         mode, out):
         """Depthwise convolution, channel multiplier 1, of x [N, H, W, C] (integer codes, zero point zp,
-        padding top/left and whatever the output size implies) with the offset filter tiled along the
-        output row, ``wt`` [KH, KW, OW*C]; requantized like _requant_rows with the per-channel vectors [C]
-        (each output row's sums seen as [OW, C]: the vectors stay in L1, where vectors tiled to OW*C came from
-        L2), into ``out`` [N, OH, OW, C].
+        padding top/left and whatever the output size implies) with the offset filter ``wk`` [KH, KW, C];
+        requantized like _requant_rows with the per-channel vectors [C] into ``out`` [N, OH, OW, C].
 
-        One iteration (one thread) takes ``rows`` output rows of one image. It first centres the input
-        rows they read into a local buffer, zero padded and split by padded column modulo the stride
-        (phase p holds padded columns p, p + sw, ...), so that tap (ky, kx) of output row oy reads
-        buffer row oy*sh + ky*dh (relative), phase (kx*dw) % sw from column (kx*dw) // sw on: one
-        contiguous run of OW*C values."""
-        n_img, h, w, c = x.shape
-        kh, kw = wt.shape[0], wt.shape[1]
-        m = ow * c
-        wq = ((ow - 1) * sw + (kw - 1) * dw) // sw + 1  # phase columns any tap reads
+        One iteration (one thread) takes ``rows`` output rows of one image, in order. The padded input rows they
+        read are centred once each into a ring of (KH - 1)*dh + 1 rows (an output row reads padded rows
+        oy*sh + ky*dh; the next one's first row is past this one's first), which stays in L2 where a block's
+        whole input did not; then the row's sums (_dw_ring_sums) and its requantization."""
+        n_img, c = x.shape[0], x.shape[3]
+        kh, kw = wk.shape[0], wk.shape[1]
+        span = (kh - 1) * dh + 1
+        wp = (ow - 1) * sw + (kw - 1) * dw + 1  # padded columns any tap reads
         per_img = (oh + rows - 1) // rows
-        z = wt.dtype.type(zp)
+        z = wk.dtype.type(zp)
         for it in prange(n_img * per_img):
             n, oy0 = it // per_img, (it % per_img) * rows
-            oy1 = min(oh, oy0 + rows)
-            r0 = oy0 * sh  # first padded input row read
-            nr = (oy1 - 1 - oy0) * sh + (kh - 1) * dh + 1
-            buf = np.zeros((nr, sw, wq, c), wt.dtype)
-            for r in range(nr):
-                iy = r0 + r - top
-                if iy < 0 or iy >= h:
-                    continue  # a padding row: stays zero
-                xr = x[n, iy]
-                for j in range(sw * wq):
-                    ix = j - left  # padded column j
-                    if ix < 0 or ix >= w:
-                        continue
-                    src, dst = xr[ix], buf[r, j % sw, j // sw]
-                    for ch in range(c):
-                        dst[ch] = wt.dtype.type(src[ch]) - z
-            acc = np.empty(m, wt.dtype)
-            for oy in range(oy0, oy1):
-                for ky in range(kh):
-                    row = buf[(oy - oy0) * sh + ky * dh]
-                    wr = wt[ky]
-                    if kw == 3:  # the three taps of a row in one pass over acc
-                        p1, q1 = dw % sw, (dw // sw) * c
-                        p2, q2 = (2 * dw) % sw, ((2 * dw) // sw) * c
-                        s0 = row[0].reshape(-1)[0:m]
-                        s1 = row[p1].reshape(-1)[q1:q1 + m]
-                        s2 = row[p2].reshape(-1)[q2:q2 + m]
-                        w0, w1, w2 = wr[0], wr[1], wr[2]
-                        if ky == 0:
-                            for i in range(m):
-                                acc[i] = s0[i] * w0[i] + s1[i] * w1[i] + s2[i] * w2[i]
-                        else:
-                            for i in range(m):
-                                acc[i] += s0[i] * w0[i] + s1[i] * w1[i] + s2[i] * w2[i]
-                    else:
-                        for kx in range(kw):
-                            p, q = (kx * dw) % sw, ((kx * dw) // sw) * c
-                            src = row[p].reshape(-1)[q:q + m]
-                            wk = wr[kx]
-                            if ky == 0 and kx == 0:
-                                for i in range(m):
-                                    acc[i] = src[i] * wk[i]
-                            else:
-                                for i in range(m):
-                                    acc[i] += src[i] * wk[i]
-                _requant_rows(acc.reshape(ow, c), scale, offset, y_theta, step, lo, hi, mode, out[n, oy])
+            ring = np.empty((span, wp, c), wk.dtype)
+            acc = np.empty((ow, c), wk.dtype)
+            have = oy0 * sh  # the next padded row to centre
+            for oy in range(oy0, min(oh, oy0 + rows)):
+                first = oy * sh
+                have = max(have, first)
+                while have <= first + (kh - 1) * dh:
+                    _dw_centre_row(x, n, have - top, left, z, ring[have % span])
+                    have += 1
+                _dw_ring_sums(ring, first, span, wk, sw, dh, dw, acc)
+                _requant_rows(acc, scale, offset, y_theta, step, lo, hi, mode, out[n, oy])
 
     @_pjit
     def _im2col_rows(x, fill, kh, kw, sh, sw, dh, dw, top, left, oh, ow, out):
@@ -264,27 +277,59 @@ if njit is not None:
                 dst[q] = fill
 
     @_pjit
-    def _fc_sums(x, zx, wo, out):
-        """out[r, c] = sum_j (x[r, j] - zx) * wo[c, j] in int32 (the caller checks K * 255 * 255 < 2^31, so no
-        sum wraps): the rows centred once as int16, then blocks of 64 output channels on numba's threads, each
-        channel's offset weights read once for every row."""
+    def _nchw_to_nhwc(x, out):
+        """out[n, y, q, c] = x[n, c, y, q]: one output row (n, y) per iteration, filled plane by plane."""
+        n, c, h, w = x.shape
+        for it in prange(n * h):
+            b, y = it // h, it % h
+            dst = out[b, y].reshape(-1)
+            for ch in range(c):
+                src, d = x[b, ch, y], dst[ch:]
+                for q in range(w):
+                    d[q * c] = src[q]
+
+    @_jit
+    def _hw_sums(x, out):
+        """out[n, c] = the uint32 sum over (h, w) of the uint8 x[n, h, w, c], wrapping modulo 2^32 as a uint32
+        accumulator does."""
+        n, h, w, c = x.shape
+        for b in range(n):
+            o = out[b]
+            for ch in range(c):
+                o[ch] = 0
+            for y in range(h):
+                for q in range(w):
+                    src = x[b, y, q]
+                    for ch in range(c):
+                        o[ch] += np.uint32(src[ch])
+
+    @_pjit
+    def _fc_sums(x, zx, w, wz, out):
+        """out[r, c] = sum_j (x[r, j] - zx) * (w[c, j] - wz[c]) in int32, as sum_j xc[r, j] * w[c, j] less
+        wz[c] * sum_j xc[r, j] (xc = x - zx): the caller checks |xc|, |w|, |wz|, |w - wz| <= 255 and
+        K * 255 * 255 < 2^31, so neither part nor the result leaves int32. The rows are centred once as int16, then
+        blocks of 64 output channels run on numba's threads, each channel's weights read once for every row."""
         n, k = x.shape
-        o = wo.shape[0]
+        o = w.shape[0]
         xc = np.empty((n, k), np.int16)
+        xs = np.empty(n, np.int32)
         z = np.int16(zx)
         for r in range(n):
             xr, cr = x[r], xc[r]
+            t = np.int32(0)
             for j in range(k):
                 cr[j] = np.int16(xr[j]) - z
+                t += np.int32(cr[j])
+            xs[r] = t
         for t in prange((o + 63) // 64):
             for c in range(t * 64, min(o, t * 64 + 64)):
-                wr = wo[c]
+                wr = w[c]
                 for r in range(n):
                     cr = xc[r]
                     acc = np.int32(0)
                     for j in range(k):
                         acc += np.int32(cr[j]) * np.int32(wr[j])
-                    out[r, c] = acc
+                    out[r, c] = acc - np.int32(wz[c]) * xs[r]
 
     @_jit
     def _gemm(addr, bits64, m, n, k, a, b, c):
@@ -653,12 +698,30 @@ def pad4(x: np.ndarray, before, after, fill) -> np.ndarray:
     return out
 
 
-def fc_sums(x: np.ndarray, x_zp: int, wo: np.ndarray) -> np.ndarray:
-    """int32 [N, O]: G = (x - x_zp) @ wo^T for uint8 x [N, K] and int16 offset weights wo [O, K] (|wo| <= 255,
-    K * 255 * 255 < 2^31: the caller checks), exact in int32."""
-    out = np.empty((x.shape[0], wo.shape[0]), np.int32)
+def nchw_to_nhwc(x: np.ndarray) -> np.ndarray:
+    """The 4-D ``x`` [N, C, H, W] as a C-contiguous [N, H, W, C] copy, one pass on numba's threads."""
+    out = np.empty((x.shape[0], x.shape[2], x.shape[3], x.shape[1]), x.dtype)
+    if out.size:
+        _nchw_to_nhwc(np.ascontiguousarray(x), out)
+    return out
+
+
+def hw_sums(x: np.ndarray) -> np.ndarray:
+    """uint32 [N, C]: the sums over H and W of the uint8 ``x`` [N, H, W, C], modulo 2^32, in one pass."""
+    out = np.empty((x.shape[0], x.shape[3]), np.uint32)
+    _hw_sums(np.ascontiguousarray(x), out)
+    return out
+
+
+def fc_sums(x: np.ndarray, x_zp: int, w: np.ndarray, w_zp=None) -> np.ndarray:
+    """int32 [N, O]: G = (x - x_zp) @ (w - w_zp)^T for uint8 x [N, K] and integer weights w [O, K] (uint8, int8 or
+    int16) less their per-channel zero points ``w_zp`` (None: 0), exact in int32 while |w|, |w_zp|, |w - w_zp| <= 255
+    and K * 255 * 255 < 2^31 (the caller checks). uint8 weights are read as they are stored: half the bytes of an
+    offset int16 copy, which a classifier's 1.3 MB of weights mostly fetch from memory."""
+    wz = np.zeros(w.shape[0], np.int32) if w_zp is None else np.ascontiguousarray(w_zp, dtype=np.int32)
+    out = np.empty((x.shape[0], w.shape[0]), np.int32)
     with threads.blas_held():
-        _fc_sums(np.ascontiguousarray(x), int(x_zp), wo, out)
+        _fc_sums(np.ascontiguousarray(x), int(x_zp), np.ascontiguousarray(w), wz, out)
     return out
 
 
@@ -866,22 +929,21 @@ def requant_store(g: np.ndarray, rq, dst: np.ndarray, *, affine: bool, channels:
                   float(rq.lo), float(rq.hi), _mode(affine=affine, correct=rq.correct, lo=rq.lo), dst)
 
 
-def depthwise_fixed(x: np.ndarray, x_zp: int, wt: np.ndarray, g, rq, out: np.ndarray) -> None:
+def depthwise_fixed(x: np.ndarray, x_zp: int, wk: np.ndarray, g, rq, out: np.ndarray) -> None:
     """Depthwise convolution (channel multiplier 1) of the integer input ``x`` [N, H, W, C] (zero point
-    ``x_zp``, geometry ``g``) with the offset filter tiled along the output row, ``wt`` [KH, KW, OW*C]
-    (float32 or float64: the accumulator type), requantized by ``rq`` (its per-channel vectors) into
-    ``out`` [N, OH, OW, C]."""
-    DepthwiseCall(x_zp, wt, g, rq)(x, out)
+    ``x_zp``, geometry ``g``) with the offset filter ``wk`` [KH, KW, C] (float32 or float64: the accumulator
+    type), requantized by ``rq`` (its per-channel vectors) into ``out`` [N, OH, OW, C]."""
+    DepthwiseCall(x_zp, wk, g, rq)(x, out)
 
 
 class DepthwiseCall:
     """:func:`depthwise_fixed` for one geometry with its arguments converted once (conv.py keeps one per input
     shape and thread count: the rows per block depend on both)."""
 
-    def __init__(self, x_zp: int, wt: np.ndarray, g, rq):
+    def __init__(self, x_zp: int, wk: np.ndarray, g, rq):
         per_thread = -(-(g.n * g.oh) // (4 * max(1, _num_threads())))  # about 4 blocks per thread
         rows = max(1, min(g.oh, per_thread, 16))
-        self.head = (int(x_zp), wt, g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, rows)
+        self.head = (int(x_zp), np.ascontiguousarray(wk), g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, rows)
         self.tail = (rq.scale, rq.offset, rq.y_theta, rq.step, float(rq.lo), float(rq.hi),
                      _mode(affine=True, correct=rq.correct, lo=rq.lo))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from maceq.errors import MaceqError
+from maceq.runtime.kernels import jit
 
 
 def _resolve_axes(ndim: int, axes) -> list[bool]:
@@ -130,6 +131,8 @@ def reduce_mean(x, *, axes=(1, 2), keepdims: bool = True) -> np.ndarray:
     n = 1
     for i in red:
         n *= x.shape[i]
-    # int64 sum: at most n * 255, exact; & 0xFFFFFFFF models the uint32 accumulator.
-    total = x.sum(axis=red, dtype=np.int64, keepdims=keepdims) & 0xFFFFFFFF
+    if red == (1, 2) and x.ndim == 4 and x.size and jit.available():  # the global average pool: one compiled pass
+        total = jit.hw_sums(x).astype(np.int64).reshape(_out_shape(x.shape, bitmap, keepdims))
+    else:  # int64 sum: at most n * 255, exact; & 0xFFFFFFFF models the uint32 accumulator.
+        total = x.sum(axis=red, dtype=np.int64, keepdims=keepdims) & 0xFFFFFFFF
     return ((total + n // 2) // n).astype(np.uint8)
