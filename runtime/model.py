@@ -54,6 +54,7 @@ class Plan:
     def __init__(self, model: "Model", ctx: PrepareContext):
         self.model, self.ctx = model, ctx
         self._prepared: list[dict[tuple, PreparedOp]] = [{} for _ in model.ops]
+        self._last: list[tuple | None] = [None] * len(model.ops)  # per op: (its last inputs' QInfos, PreparedOp)
         self._count = 0
         self._consts: dict[str, QTensor] = {}  # the constants as QTensors, made again when one is replaced
 
@@ -74,15 +75,21 @@ class Plan:
         return ins
 
     def prepared(self, idx: int, ins: list[QTensor]) -> PreparedOp:
-        """Op ``idx`` prepared for the quantization of ``ins``."""
+        """Op ``idx`` prepared for the quantization of ``ins``: the last one while the inputs bring the same QInfo
+        objects (a run's tensors carry their op's one output QInfo), else looked up by their values."""
+        last = self._last[idx]
+        if last is not None and len(last[0]) == len(ins) and all(t.qinfo is q for t, q in zip(ins, last[0])):
+            return last[1]
         in_q = tuple(t.qinfo for t in ins)
         hit = self._prepared[idx].get(in_q)
         if hit is not None:
+            self._last[idx] = (in_q, hit)
             return hit
         if self._count >= MAX_PREPARED:
-            self._prepared, self._count = [{} for _ in self._prepared], 0
+            self._prepared, self._count, self._last = [{} for _ in self._prepared], 0, [None] * len(self._prepared)
         hit = self._prepared[idx][in_q] = self.model.prepare(self.model.ops[idx], in_q, self.ctx)
         self._count += 1
+        self._last[idx] = (in_q, hit)
         return hit
 
     def step(self, idx: int, values: dict[str, QTensor]) -> tuple[PreparedOp, list[QTensor]]:
@@ -93,7 +100,7 @@ class Plan:
     def forget(self, idx: int) -> None:
         """Drop op ``idx``'s PreparedOps (its constants changed)."""
         self._count -= len(self._prepared[idx])
-        self._prepared[idx] = {}
+        self._prepared[idx], self._last[idx] = {}, None
 
 
 class _Hooked:

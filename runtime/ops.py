@@ -29,7 +29,7 @@ from maceq.runtime.kernels import quantize as k_quant
 from maceq.runtime.kernels import reduce as k_reduce
 from maceq.runtime.kernels import softmax as k_softmax
 from maceq.runtime.devices import InputQuantize, MultiplierRule, Requant
-from maceq.runtime.qtypes import QInfo, QTensor
+from maceq.runtime.qtypes import QInfo, QTensor, shared_qinfo
 from maceq.runtime.registry import register
 
 
@@ -282,7 +282,7 @@ class Eltwise(Kernel):
         y = k_eltwise.eltwise_add(inputs[0].values, inputs[1].values, a_scale=float(p.a_scale), a_zp=p.a_zp,
                                   b_scale=float(p.b_scale), b_zp=p.b_zp, out_scale=float(p.out_scale),
                                   out_zp=p.out_zp, subtract=p.subtract)
-        return [QTensor(y, QInfo(float(p.out_scale), p.out_zp))]
+        return [QTensor(y, shared_qinfo(float(p.out_scale), p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -369,7 +369,7 @@ class Concat(Kernel):
         out_scale = float(p.out_scale)
         y = k_concat.concat([t.values for t in inputs], axis=p.axis, in_qinfos=in_q, out_scale=out_scale,
                             out_zp=p.out_zp)
-        return [QTensor(y, QInfo(out_scale, p.out_zp))]
+        return [QTensor(y, shared_qinfo(out_scale, p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -390,7 +390,7 @@ class Softmax(Kernel):
     def run(self, prepared, inputs):
         y = k_softmax.softmax(inputs[0].values, in_scale=float(prepared.params.in_scale))
         # softmax.cc sets the output's scale/zero point itself (1/255, 0), whatever the model stored.
-        return [QTensor(y, QInfo(float(np.float32(k_softmax.OUT_SCALE)), int(k_softmax.OUT_ZP)))]
+        return [QTensor(y, shared_qinfo(float(np.float32(k_softmax.OUT_SCALE)), int(k_softmax.OUT_ZP)))]
 
 
 @dataclass(frozen=True)
@@ -421,7 +421,7 @@ class Quantize(Kernel):
         else:
             scale, zp = float(p.scale), p.zero_point
         y = k_quant.quantize_neon(x, scale=scale, zero_point=zp)
-        return [QTensor(y, QInfo(float(np.float32(scale)), int(zp)))]
+        return [QTensor(y, shared_qinfo(float(np.float32(scale)), int(zp)))]
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from maceq.runtime.kernels import float_ops as KF
 from maceq.runtime.kernels import gpu as K
 from maceq.runtime.kernels.derived import view_ident
 from maceq.runtime.ops import op_pads, pooling_type
-from maceq.runtime.qtypes import QInfo, QTensor
+from maceq.runtime.qtypes import QInfo, QTensor, shared_qinfo
 from maceq.runtime.registry import DType, register
 
 GPU = Device.GPU
@@ -163,7 +163,7 @@ class GpuEltwise(_GpuKernel):
         y = prepared.plan.eltwise_add(a.values, b.values, a_scale=a.qinfo.scale, a_zp=a.qinfo.zero_point,
                                       b_scale=b.qinfo.scale, b_zp=b.qinfo.zero_point, out_scale=out_scale,
                                       out_zp=p.out_zp, subtract=p.subtract)
-        return [QTensor(y, QInfo(out_scale, p.out_zp))]
+        return [QTensor(y, shared_qinfo(out_scale, p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class GpuConcat(_GpuKernel):
         out_scale = float(p.out_scale)
         y = prepared.plan.concat([t.values for t in inputs], axis=p.axis, in_qinfos=[t.qinfo for t in inputs],
                                  out_scale=out_scale, out_zp=p.out_zp)
-        return [QTensor(y, QInfo(out_scale, p.out_zp))]
+        return [QTensor(y, shared_qinfo(out_scale, p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ class GpuSoftmax(_GpuKernel):
         out_scale = float(p.out_scale)
         y = prepared.plan.float_softmax(x.values, in_scale=x.qinfo.scale, in_zp=x.qinfo.zero_point,
                                         out_scale=out_scale, out_zp=p.out_zp)
-        return [QTensor(y, QInfo(out_scale, p.out_zp))]
+        return [QTensor(y, shared_qinfo(out_scale, p.out_zp))]
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,7 @@ class GpuQuantize(_GpuKernel):
             y = backend.quantize_half(x, scale=scale, zero_point=p.zero_point)
         else:
             y = backend.quantize(np.asarray(x, np.float32), scale=scale, zero_point=p.zero_point)
-        return [QTensor(y, QInfo(scale, p.zero_point))]
+        return [QTensor(y, shared_qinfo(scale, p.zero_point))]
 
 
 @dataclass(frozen=True)

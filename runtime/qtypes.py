@@ -1,6 +1,7 @@
 """Quantization metadata shared by the MACE reader, the runtime and the reports."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,14 @@ class QInfo:
     @property
     def scale_f32(self) -> np.float32:
         return np.float32(self.scale)
+
+
+@functools.lru_cache(maxsize=4096)
+def shared_qinfo(scale: float, zero_point: int) -> QInfo:
+    """The one QInfo object for these values (a QInfo never changes): the tensors an op makes on every run carry the
+    same object, which the next op's prepared form is found by (runtime/model.py ``Plan.prepared`` compares the
+    inputs' QInfo objects first)."""
+    return QInfo(scale, zero_point)
 
 
 @dataclass

@@ -68,6 +68,55 @@ def test_a_model_pickles_after_runs_on_every_device(fmnist_devices, shared_data)
         assert np.array_equal(copy.run({"input": x}, device=device)["logits"], want)
 
 
+class _Lookups(dict):
+    """An op's PreparedOps by input quantization, counting the look-ups into ``seen``."""
+
+    def __init__(self, d, seen):
+        super().__init__(d)
+        self.seen = seen
+
+    def get(self, *args):
+        self.seen.append(args[0])
+        return super().get(*args)
+
+
+def test_plan_reuses_an_op_while_its_inputs_bring_the_same_quantization(fmnist_devices, shared_data, monkeypatch):
+    """An op is prepared once per input quantization: a second run of the same images prepares nothing (each op
+    takes the last PreparedOp, its inputs carrying the same QInfo objects); images with another range (the cpu's
+    input Quantize and some nnlib ops find theirs on every input) prepare the ops whose inputs' quantization changed,
+    and every run equals a fresh copy's."""
+    import pickle
+
+    from maceq.runtime.model import Model
+
+    x = _images(shared_data, 2)
+    y = x * 0.25  # another input range
+    for device, model in fmnist_devices.items():
+        fresh = pickle.loads(pickle.dumps(model))
+        want = {k: fresh.run({"input": v}, device=device)["logits"] for k, v in (("x", x), ("y", y))}
+        model.run({"input": x}, device=device)
+        made = []
+        real = Model.prepare
+        monkeypatch.setattr(Model, "prepare", lambda self, *a: made.append(a[0].name) or real(self, *a))
+        assert np.array_equal(model.run({"input": x}, device=device)["logits"], want["x"])
+        assert made == [], (device, made)
+        plan = model._plan(device, "numpy")
+        kept, looked = plan._prepared, []
+        plan._prepared = [_Lookups(d, looked) for d in kept]
+        assert np.array_equal(model.run({"input": x}, device=device)["logits"], want["x"])
+        plan._prepared = kept
+        # the same images again: the ranges found in the run are the same QInfo objects (qtypes.shared_qinfo), so no
+        # op looks its quantization up
+        assert looked == [], (device, looked)
+        assert np.array_equal(model.run({"input": y}, device=device)["logits"], want["y"])
+        # the cpu finds its input's range, nnlib some ops' output ranges; the gpu's quantization is fixed
+        assert (len(made) > 0) == (device != "gpu"), (device, made)
+        n = len(made)
+        assert np.array_equal(model.run({"input": x}, device=device)["logits"], want["x"])
+        assert len(made) == n  # back to the first range: prepared before, looked up by value
+        monkeypatch.undo()
+
+
 def test_dsp_ranges_and_placement(fmnist_devices):
     dsp = fmnist_devices["dsp"]
     w = dsp.const_qinfo["onnx::Conv_212"]
