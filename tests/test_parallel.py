@@ -149,6 +149,31 @@ def test_shard_rule():
         shard_ranges(10, batch_size=4, shards=0)
 
 
+@pytest.mark.unit
+def test_local_workers_fork_from_a_clean_server_with_the_callers_import_path(tmp_path, monkeypatch):
+    """Local workers start from the forkserver where the platform has one (each forked from that clean process, not
+    from this one and not a fresh interpreter per worker), with onnxruntime already imported there; a task from a
+    module that only this process's import path reaches (a script's folder) runs in them."""
+    import importlib
+    import multiprocessing
+    import os
+
+    from maceq.calibrate.parallel import TaskPool, _local_context
+
+    (tmp_path / "callers_tasks.py").write_text(
+        "import os, sys\n\ndef facts(shared, item, report):\n"
+        "    return shared, item, os.getppid(), 'onnxruntime' in sys.modules\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tasks = importlib.import_module("callers_tasks")
+    has = "forkserver" in multiprocessing.get_all_start_methods()
+    assert _local_context().get_start_method() == ("forkserver" if has else "spawn")
+    with TaskPool("job", workers=2) as pool:
+        got = pool.map(tasks.facts, [0, 1, 2])
+    assert [g[:2] for g in got] == [("job", 0), ("job", 1), ("job", 2)] and all(g[3] for g in got)
+    if has:  # a forked worker's parent is the server, a spawned one's is this process
+        assert all(g[2] != os.getpid() for g in got) and len({g[2] for g in got}) == 1
+
+
 def test_fmnist_exact_for_1_2_3_workers_with_unreadable_files(fmnist):
     runs = {w: fmnist.run(w) for w in (1, 2, 3)}
     bad = [str(fmnist.folder / "013_bad.png"), str(fmnist.folder / "047_bad.png")]
