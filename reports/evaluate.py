@@ -7,6 +7,7 @@ the device's input Quantize op recomputes its range from each input tensor
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -224,17 +225,26 @@ class _EvalJob:
     batch_size: int
 
 
-def _eval_shard(job: _EvalJob, shard: ImageFolder, report) -> dict:
-    """One shard of whole batches, in a worker process or Ray task: its tally per device."""
+def eval_job(models: dict[str, Model], float_model: str | os.PathLike, batch_size: int) -> _EvalJob:
+    """The shared job of a worker pool that evaluates (and analyses) these devices' models: the models as read, the
+    float model's path."""
+    return _EvalJob(tuple((Device.parse(d).value, m.loaded) for d, m in models.items()), os.fspath(float_model),
+                    batch_size)
+
+
+def _eval_shard(job: _EvalJob, item: tuple, report) -> dict:
+    """One shard of whole batches for some of the job's devices (``item``: (devices, shard)), in a worker process or
+    Ray task: its tally per device."""
+    devices, shard = item
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreadableImageWarning)
         try:
-            return _tally({d: Model(loaded) for d, loaded in job.loaded}, job.float_model, shard,
+            return _tally({d: Model(loaded) for d, loaded in job.loaded if d in devices}, job.float_model, shard,
                           batch_size=job.batch_size, report=report)
         except MaceqError:
             if shard.skipped != len(shard.files):
                 raise
-            return {d: _Tally(skipped=shard.skipped) for d, _ in job.loaded}  # no readable image in this shard
+            return {d: _Tally(skipped=shard.skipped) for d in devices}  # no readable image in this shard
 
 
 def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *, device: str = "cpu",
@@ -250,10 +260,12 @@ def evaluate(model: Model, float_model: str | os.PathLike, data: ImageFolder, *,
 
 def evaluate_many(models: dict[str, Model], float_model: str | os.PathLike, data: ImageFolder, *,
                   batch_size: int = 16, progress: bool = True, workers: int = 1, executor: str = "local",
-                  ray_address: str | None = None) -> dict[str, EvalResult]:
+                  ray_address: str | None = None, pool: TaskPool | None = None) -> dict[str, EvalResult]:
     """:func:`evaluate` for several devices' models of one float model (device -> model), in one pass: each image
     is read and run through the float model once, and with ``workers`` > 1 one pool of workers evaluates every
-    device's shards (each worker starts once). Each device's result equals its own :func:`evaluate`."""
+    device's shards (each worker starts once). Each device's result equals its own :func:`evaluate`.
+    ``pool``: a pool of ``workers`` workers whose job is :func:`eval_job` of these models or more (the report's,
+    which then analyses the layers on the same workers); None: one made here."""
     if not models or len({Device.parse(d) for d in models}) != len(models):
         raise MaceqError(f"evaluate: give one model per device, got {', '.join(map(str, models)) or 'none'}")
     shapes = {tuple(m.input_shape(m.input_names[0])) for m in models.values()}
@@ -268,13 +280,14 @@ def evaluate_many(models: dict[str, Model], float_model: str | os.PathLike, data
             tallies = _tally(dict(models), float_model, data, batch_size=batch_size, report=bar.update)
         else:
             tallies = {d: _Tally() for d in models}
-            shards = [data.shard(a, b) for a, b in shard_ranges(len(data), batch_size=batch_size, shards=workers)]
-            job = _EvalJob(tuple((Device.parse(d).value, m.loaded) for d, m in models.items()),
-                           os.fspath(float_model), batch_size)
             keys = dict(zip((Device.parse(d).value for d in models), models))
-            with TaskPool(job, executor=executor, workers=workers, ray_address=ray_address,
-                          progress_queue=True) as pool:
-                for part in pool.map(_eval_shard, shards, on_progress=bar.update):
+            items = [(tuple(keys), data.shard(a, b))
+                     for a, b in shard_ranges(len(data), batch_size=batch_size, shards=workers)]
+            with contextlib.ExitStack() as stack:
+                if pool is None:
+                    pool = stack.enter_context(TaskPool(eval_job(models, float_model, batch_size), executor=executor,
+                                                        workers=workers, ray_address=ray_address, progress_queue=True))
+                for part in pool.map(_eval_shard, items, on_progress=bar.update):
                     for d, t in part.items():
                         tallies[keys[d]].add(t)
     return {d: _result(models[d], d, tallies[d], data) for d in models}

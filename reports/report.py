@@ -35,6 +35,7 @@ Definitions (also printed in the page):
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import io
 import json
@@ -48,15 +49,17 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from maceq.calibrate.methods import RangeMethod
+from maceq.calibrate.parallel import TaskPool, check_workers
 from maceq.errors import MaceqError
 from maceq.mace.cost import op_macs
 from maceq.quant.config import LayerOverride, QuantConfig
 from maceq.reports.analysis import analyze_layers, float_reference
 from maceq.reports.budget import Budget, evaluate_budget, load_budget
 from maceq.reports.cost import float_share
-from maceq.reports.evaluate import evaluate_many
+from maceq.reports.evaluate import eval_job, evaluate_many
 from maceq.reports.verdict import READING, verdict
-from maceq.runtime.model import load
+from maceq.runtime.devices import Device
+from maceq.runtime.model import Model, load
 from maceq.yamlio import atomic_write
 
 SCHEMA_VERSION = 1
@@ -564,6 +567,26 @@ def _phase(progress: bool, text: str) -> None:
         print(f"report {text}", file=sys.stderr, flush=True)
 
 
+def _layers_task(job, item: tuple, report) -> list:
+    """One device's per-layer analysis in a worker (``item``: (device, float model path, images))."""
+    device, float_model, sub = item
+    return analyze_layers(Model(dict(job.loaded)[device]), float_model, sub, device=device, progress=False)
+
+
+def _analyze(models: dict, float_model, sub, *, progress: bool, pool) -> dict:
+    """Each device's per-layer analysis on ``sub``: in this process, or one task per device on ``pool`` (a
+    device's analysis runs whole in one process either way, so it is the same for any number of workers)."""
+    if pool is None:
+        layers = {}
+        for k, (d, m) in enumerate(models.items(), 1):
+            _phase(progress, f"[{k}/{len(models)}] {d}: per-layer analysis on {len(sub.files)} images")
+            layers[d] = analyze_layers(m, float_model, sub, device=d, progress=progress)
+        return layers
+    _phase(progress, f"per-layer analysis of {', '.join(models)} on {len(sub.files)} images, one worker each")
+    items = [(Device.parse(d).value, os.fspath(float_model), sub) for d in models]
+    return dict(zip(models, pool.map(_layers_task, items)))
+
+
 def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: str | os.PathLike,
                 float_model=None, analysis_images: int | None = 32, mixed: Mapping[str, Any] | None = None,
                 recovery: Iterable[Mapping] = (), budget=None, evals: Mapping[str, Any] | None = None,
@@ -605,14 +628,16 @@ def make_report(qmodels: Mapping[str, Any] | Sequence, images, *, output_dir: st
     evals = dict(evals or {})
     sub = evenly_spaced(images, analysis_images)
     todo = {d: m for d, m in models.items() if d not in evals}
-    if todo:  # every device in one pass: each image read and run through the float model once
-        _phase(progress, f"evaluating {', '.join(todo)} on {len(images)} images")
-        evals.update(evaluate_many(todo, source, images, batch_size=batch_size, progress=progress, workers=workers,
-                                   executor=executor, ray_address=ray_address))
-    layers = {}
-    for k, (d, m) in enumerate(models.items(), 1):
-        _phase(progress, f"[{k}/{len(models)}] {d}: per-layer analysis on {len(sub.files)} images")
-        layers[d] = analyze_layers(m, float_model, sub, device=d, progress=progress)
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if check_workers(workers) > 1 and isinstance(float_model, (str, os.PathLike)):  # one pool for both phases
+            pool = stack.enter_context(TaskPool(eval_job(models, source, batch_size), executor=executor,
+                                                workers=workers, ray_address=ray_address, progress_queue=True))
+        if todo:  # every device in one pass: each image read and run through the float model once
+            _phase(progress, f"evaluating {', '.join(todo)} on {len(images)} images")
+            evals.update(evaluate_many(todo, source, images, batch_size=batch_size, progress=progress,
+                                       workers=workers, executor=executor, ray_address=ray_address, pool=pool))
+        layers = _analyze(models, float_model, sub, progress=progress, pool=pool)
     report = build_report(models, float_model=float_model, evals=evals, layers=layers, images=images,
                           mixed=mixed, recovery=recovery, budget=budget, analysis_images=len(sub.files))
     return report, write_report(report, output_dir)

@@ -33,8 +33,8 @@ from maceq.app.pipeline import quantize
 from maceq.reports.analysis import analyze_layers
 from maceq.reports.budget import budget_from_dict
 from maceq.reports.evaluate import evaluate, evaluate_many
-from maceq.reports.report import (SCHEMA_PATH, build_report, evenly_spaced, render_html, report_json_text,
-                                  write_report)
+from maceq.reports.report import (SCHEMA_PATH, build_report, evenly_spaced, make_report, render_html,
+                                  report_json_text, write_report)
 from maceq.runtime import load
 
 EVIL = "<script>alert(1)</script>"
@@ -427,6 +427,19 @@ def test_verdict_follows_the_budget_and_names_the_worst_uint8_layers(real):
         fs = float_share(m, device)
         assert real.report["float_share"][device]["line"] == fs.describe()
     assert 'id="verdict-table"' in render_html(real.report)
+
+
+def test_report_on_two_workers_equals_the_one_process_report(real, tmp_path, monkeypatch):
+    """make_report on two local workers: the evaluation's shards and then each device's layer analysis run on one
+    pool (the analysis not in this process), and the report equals the one-process report."""
+    import maceq.reports.report as report_module
+
+    kw = dict(float_model=real.onnx_path, analysis_images=4, progress=False)
+    one, _ = make_report(real.models, real.data, output_dir=tmp_path / "one", **kw)
+    monkeypatch.setattr(report_module, "analyze_layers", lambda *a, **k: pytest.fail("analysed in this process"))
+    two, files = make_report(real.models, real.data, output_dir=tmp_path / "two", workers=2, **kw)
+    assert two == one and json.loads(files.json.read_text()) == one
+    assert one["data"]["analysis_images"] == 4 and {r["device"] for r in one["layers"]} == set(real.models)
 
 
 def test_evaluate_many_equals_each_device_alone(real, monkeypatch):
