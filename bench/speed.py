@@ -6,6 +6,8 @@
 Prints, for MobileNetV2 at batch 1 and batch 8, the median (and minimum) latency of
 onnxruntime's float model and of maceq's fixed-point cpu simulation, and their ratio; the same at
 batch 1 for the gpu and dsp simulations; and the calibration throughput in images per second.
+The two engines run in the same process, in alternating blocks (:func:`paired_times`), so that a
+host whose speed drifts during the measurement weighs on both alike.
 Targets: the cpu simulation within 1.5x of onnxruntime's float time at batch 1 and 1.2x at batch 8,
 the gpu and dsp simulations within 3x.
 
@@ -50,6 +52,20 @@ def run_times(fn, repeat: int) -> list[float]:
         fn()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def paired_times(f_ort, f_sim, repeat: int, blocks: int = 4) -> tuple[list[float], list[float]]:
+    """``repeat`` timed runs of each, in ``blocks`` alternating blocks (onnxruntime first, then the simulation, then
+    the simulation first...), so that a host that speeds up or slows down during the measurement weighs on both
+    alike; each block starts with one untimed run (the other engine's threads went idle meanwhile)."""
+    per = [repeat // blocks + (1 if b < repeat % blocks else 0) for b in range(blocks)]
+    t_ort, t_sim = [], []
+    for b, n in enumerate(per):
+        pair = ((f_ort, t_ort), (f_sim, t_sim)) if b % 2 == 0 else ((f_sim, t_sim), (f_ort, t_ort))
+        for fn, ts in pair:
+            if n:
+                ts += run_times(fn, n)
+    return t_ort, t_sim
 
 
 def _spin() -> None:
@@ -127,13 +143,13 @@ def main(argv=None) -> int:
             else "compiled requantization, numpy GEMM" if jit.available() else "numpy only (MACEQ_NO_JIT)")
     print(f"threads: maceq {threads.current()} now (MACEQ_NUM_THREADS, else the CPUs other processes leave free; "
           f"kernels: {path}), onnxruntime its default")
-    print("median (min) of the repeats; on a shared machine the min is the steadier number")
+    print("median (min) of the repeats, timed in alternating blocks; on a shared machine the min is the steadier number")
     print(f"{'device':>6} {'batch':>5} {'onnxruntime fp32':>24} {'maceq simulation':>24} {'ratio':>15}")
     for device, model in models.items():
         for batch in ((1, 8) if device == "cpu" else (1,)):
             x = rng.standard_normal((batch, 3, 224, 224)).astype(np.float32)
-            t_ort = run_times(lambda: sess.run(None, {name: x}), args.repeat)
-            t_sim = run_times(lambda: model.run({name: x}, device=device), args.repeat)
+            t_ort, t_sim = paired_times(lambda: sess.run(None, {name: x}), lambda: model.run({name: x}, device=device),
+                                        args.repeat)
             med_o, med_s = statistics.median(t_ort), statistics.median(t_sim)
             min_o, min_s = min(t_ort), min(t_sim)
             print(f"{device:>6} {batch:>5} {1000 * med_o:>9.1f} ({1000 * min_o:>6.1f}) ms "
