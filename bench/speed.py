@@ -143,7 +143,8 @@ def main(argv=None) -> int:
             else "compiled requantization, numpy GEMM" if jit.available() else "numpy only (MACEQ_NO_JIT)")
     print(f"threads: maceq {threads.current()} now (MACEQ_NUM_THREADS, else the CPUs other processes leave free; "
           f"kernels: {path}), onnxruntime its default")
-    print("median (min) of the repeats, timed in alternating blocks; on a shared machine the min is the steadier number")
+    print("median (min) of the repeats, timed in alternating blocks; on a shared machine the min is the steadier "
+          "number")
     print(f"{'device':>6} {'batch':>5} {'onnxruntime fp32':>24} {'maceq simulation':>24} {'ratio':>15}")
     for device, model in models.items():
         for batch in ((1, 8) if device == "cpu" else (1,)):
