@@ -168,6 +168,35 @@ def test_conv2d_fast_equals_ref_random(loops):
         assert paths["folded"] >= 30 and paths["g32"] >= 20 and paths["generic"] >= 5, paths
 
 
+def test_conv2d_compiled_im2col_blocks_of_rows(monkeypatch):
+    """The compiled im2col convolution on float GEMMs (kernels past 1x1 where the integer tiles do not run: int8
+    data, hosts without AVX2, MACEQ_NO_INTGEMM) works on blocks of whole output rows: blocks of 1-4 rows that
+    cross images and end short, with padding, strides and dilations, equal conv2d_ref; the compiled pass ran for
+    every case."""
+    from maceq.runtime.kernels import jit as k_jit
+
+    monkeypatch.setenv("MACEQ_NO_INTGEMM", "1")
+    assert k_jit.gemm_available()
+    rng = np.random.default_rng(23)
+    real, calls, rows_per = k_jit._im2col, Counter(), [1]
+    monkeypatch.setattr(k_jit, "_im2col", lambda *a: (calls.update(["compiled"]), real(*a))[1])
+    for i in range(24):
+        n, c, o = int(rng.integers(1, 4)), int(rng.integers(1, 6)), int(rng.integers(1, 6))
+        kh, kw = int(rng.integers(2, 4)), int(rng.integers(1, 4))
+        x = rng.integers(0, 256, (n, int(rng.integers(kh + 2, 12)), int(rng.integers(kw + 2, 12)), c)).astype(np.uint8)
+        wt = rng.integers(0, 256, (o, kh, kw, c)).astype(np.uint8)
+        bias, kw_args = _conv_args(rng, o, x_zp=int(rng.integers(0, 256)), lo=0, hi=255, bias_bits=16,
+                                   per_channel=i % 2 == 0)
+        kw_args.update(w_zp=int(rng.integers(0, 256)), strides=tuple(int(v) for v in rng.integers(1, 3, 2)),
+                       dilations=(1 + i % 2, 1), pads=tuple(int(v) for v in rng.integers(0, 2, 4)))
+        rows_per[0] = 1 + i % 4
+        plan = conv2d_plan(wt, bias, **kw_args)
+        ow = (x.shape[2] + kw_args["pads"][1] + kw_args["pads"][3] - kw) // kw_args["strides"][1] + 1
+        monkeypatch.setattr(k_jit, "_block_rows", lambda *a, ow=ow: rows_per[0] * ow)
+        assert np.array_equal(plan(x), conv2d_ref(x, wt, bias, **kw_args)), i
+    assert calls["compiled"] == 24
+
+
 @pytest.mark.parametrize("k, spread, path", [(600, 100, "g32"), (2000, 127, "g64")])
 def test_conv2d_beyond_the_exact_region(k, spread, path, loops):
     """Long reductions where |G|*q can pass 2^53 (bound B fails): the saturation argument must carry
@@ -416,11 +445,18 @@ def test_fully_connected_fast_equals_ref(loops, monkeypatch):
 
 # ----------------------------------------------------------------------------- Eltwise tables
 
-def test_eltwise_tables_equal_ref(loops):
-    """From _LUT_MIN elements eltwise_add looks codes up in per-rule 256x256 tables: NEON body and scalar tail."""
+def test_eltwise_tables_equal_ref(loops, monkeypatch):
+    """From _LUT_MIN elements eltwise_add looks codes up in per-rule 256x256 tables: NEON body and scalar tail, the
+    compiled look-ups (counted) in chunks of 2^14 elements whose last one holds the tail."""
+    from maceq.runtime.kernels import jit as k_jit
+
+    real, calls = k_jit._lut_pairs, Counter()
+    monkeypatch.setattr(k_jit, "_lut_pairs", lambda *a: (calls.update(["compiled"]), real(*a))[1])
     rng = np.random.default_rng(6)
-    for i in range(8):
+    for i in range(10):
         n = k_elt._LUT_MIN + int(rng.integers(0, 20))  # a tail of 0..7 elements
+        if i >= 8:  # several chunks
+            n = 2 * k_jit._CHUNK + int(rng.integers(1, 8)) if i == 8 else 2 * k_jit._CHUNK - 5
         a = rng.integers(0, 256, n, dtype=np.uint8)
         b = rng.integers(0, 256, n, dtype=np.uint8)
         if i == 7:  # a per-channel b, broadcast over a's leading axis
@@ -431,6 +467,7 @@ def test_eltwise_tables_equal_ref(loops):
                    subtract=bool(i % 2), act_min=int(rng.integers(0, 30)), act_max=int(rng.integers(200, 256)))
         assert a.size >= k_elt._LUT_MIN
         assert np.array_equal(k_elt.eltwise_add(a, b, **cfg), k_elt.eltwise_add_ref(a, b, **cfg)), i
+    assert calls["compiled"] == (10 if loops == "compiled" else 0)
 
 
 # ----------------------------------------------------------------------------- a whole model

@@ -11,6 +11,7 @@ rounding of an exact product as MACE's float32 multiply, so it is one for Dequan
 from __future__ import annotations
 
 import math
+from collections import Counter
 from fractions import Fraction
 
 import numpy as np
@@ -204,6 +205,37 @@ def test_find_range_and_quantize_end_to_end(loops):
     assert q.tolist() == np.array(_mace_quantize(list(x.ravel()), scale, zp), dtype=np.uint8).reshape(x.shape).tolist()
     with pytest.raises(MaceqError):
         find_range(np.zeros((0,), dtype=np.float32))
+
+
+def _find_min_max_loop(values) -> tuple[float, float]:
+    """FindMinMax's C++ loop on float32 values: std::min / std::max from (FLT_MAX, lowest())."""
+    lo, hi = np.float32(np.finfo(np.float32).max), np.float32(-np.finfo(np.float32).max)
+    for v in values:
+        lo = v if v < lo else lo  # std::min(lo, v) keeps lo unless v < lo
+        hi = v if hi < v else hi  # std::max(hi, v) keeps hi unless hi < v
+    return float(lo), float(hi)
+
+
+def test_find_range_compiled_equals_the_loop_signed_zeros_and_infinities(monkeypatch):
+    """The compiled FindMinMax (numpy's vectorized min and max where they decide it, else the loop): equal to the
+    C++ loop value for value and sign for sign (a zero's sign is the first zero's), with NaNs, infinities and
+    all-NaN inputs; the loop ran exactly for the inputs with a NaN or a zero extreme."""
+    from maceq.runtime.kernels import jit as k_jit
+
+    real, calls = k_jit._find_range, Counter()
+    monkeypatch.setattr(k_jit, "_find_range", lambda v: (calls.update(["loop"]), real(v))[1])
+    rng = np.random.default_rng(505)
+    inf, nan = np.inf, np.nan
+    cases = [rng.normal(0.3, 2.0, 1000), [nan, 1.0, -2.0, nan], [nan] * 5, [inf, inf], [-inf, -inf],
+             [inf, -inf, 3.0], [-0.0, 0.0, 1.0, 2.0], [0.0, -0.0, 1.0], [-3.0, 0.0, -0.0], [-3.0, -0.0, 0.0], [5.0], rng.uniform(0, 1, 99)]
+    loop_cases = 0
+    for case in cases:
+        x = np.asarray(case, dtype=np.float32)
+        want = _find_min_max_loop([np.float32(v) for v in x])
+        got = k_jit.find_range(x)
+        assert got == want and [math.copysign(1, v) for v in got] == [math.copysign(1, v) for v in want], case
+        loop_cases += bool(np.isnan(x).any() or (x.size and (np.nanmin(x) == 0 or np.nanmax(x) == 0)))
+    assert loop_cases == 6 and calls["loop"] == loop_cases
 
 
 def test_dequantize_matches_tflite_and_exact_product():

@@ -631,10 +631,11 @@ def fully_connected_fixed_ref(x, w, bias=None, *, x_zp, w_zp, out_zp, multiplier
 # 3. G first (Conv2D with a long reduction, DepthwiseConv2d, FullyConnected).
 #    G is computed exactly: BLAS sgemm, or float32 multiply-adds over the kernel
 #    taps, while X*L1 < 2^24 (every partial sum is then a float32 integer);
-#    float64 up to 2^53. Then y = G*(q*2^-k) + off*2^-k in float64. Under bound B
-#    both operations are exact. Without it, they are still exact for
-#    |G| <= g = floor((2^53 - 2^31 - |off|) / q), and, being correctly rounded,
-#    monotone in G everywhere; the plan then requires ("saturation") that the exact
+#    float64 up to 2^53. Then y = G*(q*2^-k) + off*2^-k in float64, as a product
+#    and a sum or as one fused multiply-add (the compiled pass). Under bound B
+#    every operation is exact. Without it, they are still exact for
+#    |G| <= g = floor((2^53 - 2^31 - |off|) / q), and, being correctly rounded
+#    (two roundings or the FMA's one), monotone in G everywhere; the plan then requires ("saturation") that the exact
 #    y at G = -g is < act_min - 1 and at G = g is >= act_max + 1. Outside [-g, g]
 #    the computed y is thus already beyond the clamp on the correct side (and stays
 #    there through the correction of 4, which moves y by at most 1/2), and so is the
