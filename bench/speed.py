@@ -44,8 +44,9 @@ HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent.parent / "shared" / "data"
 
 
-def run_times(fn, repeat: int) -> list[float]:
-    fn()  # warm-up
+def run_times(fn, repeat: int, *, warm: int = 1) -> list[float]:
+    for _ in range(warm):  # untimed
+        fn()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -54,17 +55,24 @@ def run_times(fn, repeat: int) -> list[float]:
     return times
 
 
+#: Untimed runs that open each block of paired_times. Each engine leaves its thread pool spinning for a while after
+#: its last run; measured on the 2-vCPU host, the simulation's first 4 runs after onnxruntime's block took about
+#: twice its steady time (18-23 ms against 9.5) and onnxruntime's first 2 after the simulation's 1.4-1.9x its own.
+BLOCK_WARM_RUNS = 5
+
+
 def paired_times(f_ort, f_sim, repeat: int, blocks: int = 4) -> tuple[list[float], list[float]]:
     """``repeat`` timed runs of each, in ``blocks`` alternating blocks (onnxruntime first, then the simulation, then
     the simulation first...), so that a host that speeds up or slows down during the measurement weighs on both
-    alike; each block starts with one untimed run (the other engine's threads went idle meanwhile)."""
+    alike; each block opens with BLOCK_WARM_RUNS untimed runs, so that neither engine is timed while the other's
+    threads still spin."""
     per = [repeat // blocks + (1 if b < repeat % blocks else 0) for b in range(blocks)]
     t_ort, t_sim = [], []
     for b, n in enumerate(per):
         pair = ((f_ort, t_ort), (f_sim, t_sim)) if b % 2 == 0 else ((f_sim, t_sim), (f_ort, t_ort))
         for fn, ts in pair:
             if n:
-                ts += run_times(fn, n)
+                ts += run_times(fn, n, warm=BLOCK_WARM_RUNS)
     return t_ort, t_sim
 
 

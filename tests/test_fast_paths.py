@@ -280,6 +280,56 @@ def test_depthwise_fast_equals_ref_random(loops, monkeypatch):
     assert paths["compiled"] == (2 * fixed_m1[True] if loops == "compiled" else 0) and fixed_m1[True] >= 30, paths
 
 
+def test_dw3x3_vector_blocks_equal_the_tap_sums():
+    """runtime/kernels/simd.py: the 3x3 depthwise sums of the first 8*floor(C/8) channels, with strides and
+    dilations, equal numpy's sums of the same float32 products (exact integers); float64 rows are left to the
+    caller (0 channels done)."""
+    from numba import njit
+
+    from maceq.runtime.kernels import simd
+
+    blocks = njit(lambda r0, r1, r2, sw, dw, wk, acc: simd.dw3x3_blocks(r0, r1, r2, sw, dw, wk, acc))
+    rng = np.random.default_rng(31)
+    for i in range(40):
+        c, sw, dw, ow = int(rng.integers(1, 42)), 1 + i % 2, 1 + (i // 2) % 2, int(rng.integers(1, 12))
+        wp = (ow - 1) * sw + 2 * dw + 1
+        rows = rng.integers(-255, 256, (3, wp, c)).astype(np.float32)
+        wk = rng.integers(-255, 256, (3, 3, c)).astype(np.float32)
+        acc = np.full((ow, c), np.nan, np.float32)
+        done = blocks(rows[0].ravel(), rows[1].ravel(), rows[2].ravel(), sw, dw, wk.ravel(), acc.ravel())
+        want = sum(rows[ky, kx * dw:kx * dw + (ow - 1) * sw + 1:sw].astype(np.float64) * wk[ky, kx]
+                   for ky in range(3) for kx in range(3))
+        assert done == c - c % 8, (i, c)
+        assert np.array_equal(acc[:, :done], want[:, :done]) and np.isnan(acc[:, done:]).all(), i
+    r64 = np.zeros(30)
+    assert blocks(r64, r64, r64, 1, 1, np.zeros(18), np.zeros(4)) == 0
+
+
+def test_depthwise_3x3_on_vector_blocks_equals_ref(monkeypatch):
+    """Whole 3x3 depthwise convolutions with 8-41 channels (vector blocks and a channel tail), strides, dilations,
+    paddings, uint8 and int8: equal to the reference kernel, through the compiled pass (counted)."""
+    from maceq.runtime.kernels import jit as k_jit
+
+    real, calls = k_jit._depthwise_rows, Counter()
+    monkeypatch.setattr(k_jit, "_depthwise_rows", lambda *a: (calls.update(["compiled"]), real(*a))[1])
+    rng = np.random.default_rng(32)
+    for i in range(16):
+        c = int(rng.choice([8, 13, 16, 24, 41]))
+        dtype = np.uint8 if i % 3 else np.int8
+        lo, hi = (0, 255) if dtype == np.uint8 else (-128, 127)
+        x = rng.integers(lo, hi + 1, (1 + i % 2, int(rng.integers(3, 9)), int(rng.integers(3, 12)), c)).astype(dtype)
+        wt = rng.integers(lo, hi + 1, (3, 3, c, 1)).astype(dtype)
+        bias, kw_args = _conv_args(rng, c, x_zp=int(rng.integers(lo, hi + 1)), lo=lo, hi=hi, bias_bits=16,
+                                   per_channel=i % 2 == 0)
+        kw_args.update(w_zp=int(rng.integers(lo, hi + 1)), strides=(1 + i % 2, 1 + (i // 2) % 2),
+                       dilations=(1, 1 + (i // 4) % 2), pads=tuple(int(v) for v in rng.integers(0, 3, 4)),
+                       out_dtype=dtype)
+        plan = depthwise_conv2d_plan(wt, bias, **kw_args)
+        assert plan.path(dtype) == "g32", i
+        assert np.array_equal(plan(x), depthwise_conv2d_ref(x, wt, bias, **kw_args)), i
+    assert calls["compiled"] == 16
+
+
 def test_depthwise_on_a_non_contiguous_input(loops):
     # an NHWC view of NCHW memory (a layout transpose upstream), no padding, stride 1: the numpy path once
     # strode over the input as if it were C-ordered and read outside it

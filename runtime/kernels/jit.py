@@ -67,7 +67,7 @@ import os
 import numpy as np
 
 from maceq.runtime import threads
-from maceq.runtime.kernels import blas
+from maceq.runtime.kernels import blas, simd
 
 try:  # numba is a declared dependency; the numpy paths stay as the fallback
     from numba import njit, prange
@@ -157,6 +157,11 @@ if njit is not None:
         ow = acc.shape[0]
         if kh == 3 and kw == 3:
             r0, r1, r2 = ring[first % span], ring[(first + dh) % span], ring[(first + 2 * dh) % span]
+            # float32: blocks of 8 channels with their weights in registers (runtime/kernels/simd.py)
+            done = simd.dw3x3_blocks(r0.reshape(-1), r1.reshape(-1), r2.reshape(-1), sw, dw, wk.reshape(-1),
+                                     acc.reshape(-1))
+            if done == c:
+                return
             w00, w01, w02, w10, w11, w12 = wk[0, 0], wk[0, 1], wk[0, 2], wk[1, 0], wk[1, 1], wk[1, 2]
             w20, w21, w22 = wk[2, 0], wk[2, 1], wk[2, 2]
             for ox in range(ow):
@@ -164,7 +169,7 @@ if njit is not None:
                 a00, a01, a02 = r0[j], r0[j + dw], r0[j + 2 * dw]
                 a10, a11, a12 = r1[j], r1[j + dw], r1[j + 2 * dw]
                 a20, a21, a22 = r2[j], r2[j + dw], r2[j + 2 * dw]
-                for ch in range(c):
+                for ch in range(done, c):
                     a[ch] = (a00[ch] * w00[ch] + a01[ch] * w01[ch] + a02[ch] * w02[ch]
                              + a10[ch] * w10[ch] + a11[ch] * w11[ch] + a12[ch] * w12[ch]
                              + a20[ch] * w20[ch] + a21[ch] * w21[ch] + a22[ch] * w22[ch])
@@ -919,7 +924,8 @@ def im2col_conv(x: np.ndarray, x_zp: int, w: np.ndarray, g, rq, out: np.ndarray)
         _im2col(x, int(x_zp), g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.top, g.left, g.oh, g.ow, w,
                 gm.sgemm if w.dtype == np.float32 else gm.dgemm, gm.int_bits == 64,
                 max(1, _block_rows(g.n * g.oh * g.ow, k, o, w.itemsize) // g.ow), rq.scale, rq.offset, rq.y_theta,
-                rq.step, float(rq.lo), float(rq.hi), _mode(affine=True, correct=rq.correct, lo=rq.lo), out.reshape(-1, o))
+                rq.step, float(rq.lo), float(rq.hi), _mode(affine=True, correct=rq.correct, lo=rq.lo),
+                out.reshape(-1, o))
 
 
 def _mode(*, affine: bool, correct: bool, lo: int) -> int:
