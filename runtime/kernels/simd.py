@@ -41,6 +41,14 @@ def dw3x3_blocks(r0, r1, r2, sw, dw, wk, acc):
 
 
 if intrinsic is not None:
+    def _no_unroll(module):
+        """The loop metadata ``!{!self, !{"llvm.loop.unroll.disable"}}``: unrolled, the loop's nine input pointers
+        per copy left the registers and every load reloaded its pointer from the stack."""
+        flag = module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])
+        node = module.add_metadata([flag, flag])  # the first operand becomes the node itself (a loop ID)
+        node.operands = (node, flag)
+        return node
+
     def _dw3x3_ir(context, builder, signature, args):
         """One block of 8 channels over n output columns: nine weight vectors loaded before the loop, then per
         column nine input vectors, nine multiply-adds (ky, kx in order) and one store."""
@@ -69,17 +77,21 @@ if intrinsic is not None:
         i = builder.phi(i64)
         i.add_incoming(ir.Constant(i64, 0), entry)
         base = builder.add(x_off, builder.mul(i, x_step))
-        total = None
-        for ky in range(3):
+        row_sums = []
+        for ky in range(3):  # one chain of three multiply-adds per kernel row: three chains in flight
+            part = None
             for kx in range(3):
                 v = vload(rows[ky], builder.add(base, builder.mul(ir.Constant(i64, kx), x_tap)))
                 w_t = weights[3 * ky + kx]
-                total = builder.fmul(v, w_t) if total is None else builder.call(fmuladd, [v, w_t, total])
+                part = builder.fmul(v, w_t) if part is None else builder.call(fmuladd, [v, w_t, part])
+            row_sums.append(part)
+        total = builder.fadd(builder.fadd(row_sums[0], row_sums[1]), row_sums[2])
         out = builder.gep(pa, [builder.add(a_off, builder.mul(i, a_step))])
         builder.store(total, builder.bitcast(out, vec.as_pointer()), align=4)
         i_next = builder.add(i, ir.Constant(i64, 1))
         i.add_incoming(i_next, loop)
-        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+        back = builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+        back.set_metadata("llvm.loop", _no_unroll(builder.module))
         builder.position_at_end(done)
         return context.get_dummy_value()
 
