@@ -51,7 +51,8 @@ if intrinsic is not None:
 
     def _dw3x3_ir(context, builder, signature, args):
         """One block of 8 channels over n output columns: nine weight vectors loaded before the loop, then per
-        column nine input vectors, nine multiply-adds (ky, kx in order) and one store."""
+        column nine input vectors, a chain of three multiply-adds per kernel row, the three rows' sums added
+        (ky 0 + ky 1, then + ky 2) and one store; the loop is not unrolled (_no_unroll)."""
         i64 = ir.IntType(64)
         vec = ir.VectorType(ir.FloatType(), LANES)
         arrays = {0, 1, 2, 6, 9}
