@@ -7,7 +7,8 @@ Prints, for MobileNetV2 at batch 1 and batch 8, the median (and minimum) latency
 onnxruntime's float model and of maceq's fixed-point cpu simulation, and their ratio; the same at
 batch 1 for the gpu and dsp simulations; and the calibration throughput in images per second.
 The two engines run in the same process, in alternating blocks (:func:`paired_times`), so that a
-host whose speed drifts during the measurement weighs on both alike.
+host whose speed drifts during the measurement weighs on both alike; the ratio printed first is the median over
+adjacent pairs of blocks (:func:`paired_ratio`).
 Targets: the cpu simulation within 1.5x of onnxruntime's float time at batch 1 and 1.2x at batch 8,
 the gpu and dsp simulations within 3x.
 
@@ -44,9 +45,14 @@ HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent.parent / "shared" / "data"
 
 
-def run_times(fn, repeat: int, *, warm: int = 1) -> list[float]:
-    for _ in range(warm):  # untimed
+def run_times(fn, repeat: int, *, warm: int = 1, settle_s: float = 0.0) -> list[float]:
+    """``repeat`` timed runs of ``fn`` after ``warm`` untimed ones, and more untimed ones until ``settle_s`` seconds
+    have passed."""
+    t_end = time.perf_counter() + settle_s
+    n = 0
+    while n < warm or time.perf_counter() < t_end:
         fn()
+        n += 1
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -55,25 +61,34 @@ def run_times(fn, repeat: int, *, warm: int = 1) -> list[float]:
     return times
 
 
-#: Untimed runs that open each block of paired_times. Each engine leaves its thread pool spinning for a while after
-#: its last run; measured on the 2-vCPU host, the simulation's first 4 runs after onnxruntime's block took about
-#: twice its steady time (18-23 ms against 9.5) and onnxruntime's first 2 after the simulation's 1.4-1.9x its own.
-BLOCK_WARM_RUNS = 5
+#: Seconds of untimed runs that open each block of paired_times. Each engine leaves its thread pool spinning after
+#: its last run, onnxruntime for about 90 ms: measured on the 2-vCPU host, the simulation's first five MobileNetV2
+#: runs after onnxruntime's block took 21-24 ms against its steady 11 ms, and onnxruntime's first after the
+#: simulation's about twice its own.
+BLOCK_SETTLE_S = 0.25
 
 
-def paired_times(f_ort, f_sim, repeat: int, blocks: int = 4) -> tuple[list[float], list[float]]:
-    """``repeat`` timed runs of each, in ``blocks`` alternating blocks (onnxruntime first, then the simulation, then
-    the simulation first...), so that a host that speeds up or slows down during the measurement weighs on both
-    alike; each block opens with BLOCK_WARM_RUNS untimed runs, so that neither engine is timed while the other's
-    threads still spin."""
-    per = [repeat // blocks + (1 if b < repeat % blocks else 0) for b in range(blocks)]
-    t_ort, t_sim = [], []
-    for b, n in enumerate(per):
-        pair = ((f_ort, t_ort), (f_sim, t_sim)) if b % 2 == 0 else ((f_sim, t_sim), (f_ort, t_ort))
-        for fn, ts in pair:
-            if n:
-                ts += run_times(fn, n, warm=BLOCK_WARM_RUNS)
-    return t_ort, t_sim
+#: Timed runs of each engine per block of paired_times.
+BLOCK_RUNS = 5
+
+
+def paired_times(f_ort, f_sim, repeat: int) -> list[tuple[list[float], list[float]]]:
+    """``repeat`` timed runs of each engine, in alternating blocks of BLOCK_RUNS (onnxruntime first, then the
+    simulation; the next pair the simulation first), each block opened by BLOCK_SETTLE_S seconds of untimed runs so
+    that neither engine is timed while the other's threads still spin. Returns the (onnxruntime, simulation) times of
+    each pair of adjacent blocks: a host whose speed drifts weighs on both engines of a pair alike."""
+    pairs = []
+    for b in range(max(1, -(-repeat // BLOCK_RUNS))):
+        n = min(BLOCK_RUNS, repeat - b * BLOCK_RUNS) if repeat > b * BLOCK_RUNS else BLOCK_RUNS
+        first, second = (f_ort, f_sim) if b % 2 == 0 else (f_sim, f_ort)
+        t_first, t_second = (run_times(f, n, settle_s=BLOCK_SETTLE_S) for f in (first, second))
+        pairs.append((t_first, t_second) if b % 2 == 0 else (t_second, t_first))
+    return pairs
+
+
+def paired_ratio(pairs) -> float:
+    """The median over the pairs of blocks of (the simulation's median / onnxruntime's median) in that pair."""
+    return statistics.median(statistics.median(s) / statistics.median(o) for o, s in pairs)
 
 
 def _spin() -> None:
@@ -151,18 +166,22 @@ def main(argv=None) -> int:
             else "compiled requantization, numpy GEMM" if jit.available() else "numpy only (MACEQ_NO_JIT)")
     print(f"threads: maceq {threads.current()} now (MACEQ_NUM_THREADS, else the CPUs other processes leave free; "
           f"kernels: {path}), onnxruntime its default")
-    print("median (min) of the repeats, timed in alternating blocks; on a shared machine the min is the steadier "
-          "number")
-    print(f"{'device':>6} {'batch':>5} {'onnxruntime fp32':>24} {'maceq simulation':>24} {'ratio':>15}")
+    print(f"median (min) of the repeats, timed in alternating blocks of {BLOCK_RUNS}; ratio: the median over adjacent "
+          "pairs of blocks of their medians' ratio (the steadier figure on a shared machine), then the ratio of the "
+          "pooled medians (of the minimums)")
+    print(f"{'device':>6} {'batch':>5} {'onnxruntime fp32':>24} {'maceq simulation':>24} {'ratio':>10} "
+          f"{'pooled':>15}")
     for device, model in models.items():
         for batch in ((1, 8) if device == "cpu" else (1,)):
             x = rng.standard_normal((batch, 3, 224, 224)).astype(np.float32)
-            t_ort, t_sim = paired_times(lambda: sess.run(None, {name: x}), lambda: model.run({name: x}, device=device),
-                                        args.repeat)
+            pairs = paired_times(lambda: sess.run(None, {name: x}), lambda: model.run({name: x}, device=device),
+                                 args.repeat)
+            t_ort, t_sim = [t for o, _ in pairs for t in o], [t for _, s in pairs for t in s]
             med_o, med_s = statistics.median(t_ort), statistics.median(t_sim)
             min_o, min_s = min(t_ort), min(t_sim)
             print(f"{device:>6} {batch:>5} {1000 * med_o:>9.1f} ({1000 * min_o:>6.1f}) ms "
-                  f"{1000 * med_s:>10.1f} ({1000 * min_s:>6.1f}) ms {med_s / med_o:>6.2f}x ({min_s / min_o:.2f}x)")
+                  f"{1000 * med_s:>10.1f} ({1000 * min_s:>6.1f}) ms {paired_ratio(pairs):>9.2f}x "
+                  f"{med_s / med_o:>6.2f}x ({min_s / min_o:.2f}x)")
     if args.busy:
         print(f"with {args.busy} busy-loop neighbour(s), batch 1, {args.repeat} repeats:")
         print(f"{'device':>6} {'threads':>22} {'median':>9} {'min':>9} {'max':>9} {'max/min':>8}")

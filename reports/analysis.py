@@ -254,7 +254,7 @@ class FloatReference:
             if t not in have:
                 m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
                 have.add(t)
-        self.session = make_session(m, optimize=False)
+        self.session = make_session(m, optimize=False, spin=False)  # its runs alternate with the simulation's
 
     def run(self, x: np.ndarray, tensors: list[str]) -> dict[str, np.ndarray]:
         got = self.session.run([t for t in tensors if t != self.input_name], {self.input_name: x})
