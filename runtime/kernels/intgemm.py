@@ -50,6 +50,8 @@ __all__ = ["Isa", "isa", "available", "supported", "PackedFilter", "pack_filter"
            "pointwise_conv", "PointwiseCall", "gpu_pointwise", "GpuPointwiseCall", "dsp_pointwise"]
 
 ROWS = 4  # rows of x per tile
+CHUNK_ROWS = 64  # AVX2: rows of x converted to int16 at a time (64 x K int16: 128 KiB at K = 1,024)
+PANEL_GROUP_BYTES = 96 << 10  # AVX2: the weights of the 16-channel panels one pass over a chunk's tiles reads
 
 
 class Isa(enum.Enum):
@@ -315,53 +317,58 @@ if intrinsic is not None:
                 for c in range(o):
                     gr[c] = np.int64(pr[c]) - shift[c] * r64 - corr[c]
 
-    def _tiles_into(a, lda, b, b_stride, c, c_off, n16, steps):
-        """AVX2: the 4 rows of a times every 16 channels of b into the int32 c from c_off (rows n16 apart);
-        compiled code only. For a c of another type (an int64 G) it compiles to nothing and is never called."""
+    def _sums_target(g, m4, n16, chunk4):
+        """(int32 flat array, is_g): where the AVX2 tiles store G for m4 rows of n16 channels: an int32 g itself where
+        its O is n16 and it has the m4 rows (8-11% faster on MobileNetV2's 1x1 shapes than a copy), else a buffer of
+        chunk4 rows that each chunk's G passes through; compiled code only (the overload below picks by g's
+        type)."""
         raise NotImplementedError("compiled code only")
 
-    @overload(_tiles_into, jit_options=dict(nogil=True, boundscheck=False, error_model="numpy"))
-    def _tiles_into_typed(a, lda, b, b_stride, c, c_off, n16, steps):
-        if c.dtype != types.int32:
-            return lambda a, lda, b, b_stride, c, c_off, n16, steps: None
+    @overload(_sums_target, jit_options=dict(nogil=True, boundscheck=False, error_model="numpy"))
+    def _sums_target_typed(g, m4, n16, chunk4):
+        if g.dtype != types.int32:
+            return lambda g, m4, n16, chunk4: (np.empty(chunk4 * n16, np.int32), False)
 
-        def impl(a, lda, b, b_stride, c, c_off, n16, steps):
-            for n0 in range(0, n16, 16):
-                _tile16(a, np.int64(0), lda, b, np.int64(n0 * 2), b_stride, c, np.int64(c_off + n0), np.int64(n16),
-                        steps)
+        def impl(g, m4, n16, chunk4):
+            if g.shape[1] == n16 and g.shape[0] >= m4:
+                return g.reshape(-1), True
+            return np.empty(chunk4 * n16, np.int32), False
         return impl
 
     @_jit
     def _block_sums16(x, r0, m, zx, b, n16, g):
-        """AVX2: g[:m, :O] (int64, or int32) = G for the m rows of x from r0: per 4 rows x - zx as int16 (K padded to
-        even with a zero), then the tiles of 16 channels; their int32 sums are G (stored through p, or straight
-        into an int32 g whose O is a multiple of 16 and which has whole tiles of rows)."""
+        """AVX2: g[:m, :O] (int64, or int32) = G for the m rows of x from r0. Per chunk of CHUNK_ROWS rows: the rows'
+        x - zx as int16 (K padded to even with a zero; the rows past m are 0), then per group of 16-channel panels
+        whose weights fit in PANEL_GROUP_BYTES, every tile of 4 rows of the chunk on each panel of the group: a
+        panel's weights are read once per chunk, where one panel-by-panel pass per 4 rows read every weight once
+        per 4 rows (a 7x7 layer's 0.3-0.8 MB of weights 7 to 13 times)."""
         k = x.shape[1]
         kp = k + k % 2
-        a = np.zeros((ROWS, kp), np.int16)  # the padding column stays 0; rows past m keep older values (unused)
-        p = np.empty((ROWS, n16), np.int32)
-        af, pf = a.reshape(-1), p.reshape(-1)
-        o = g.shape[1]
-        # int32 G, O a multiple of 16 and whole tiles of rows in g: the tiles store into g itself (8-11% faster on
-        # MobileNetV2's 1x1 shapes than through p)
-        direct = g.itemsize == 4 and o == n16 and g.shape[0] >= -(-m // ROWS) * ROWS
-        gf = g.reshape(-1)
+        chunk4 = -(-min(m, CHUNK_ROWS) // ROWS) * ROWS
+        a = np.zeros((chunk4, kp), np.int16)
+        af = a.reshape(-1)
+        dst, is_g = _sums_target(g, -(-m // ROWS) * ROWS, n16, chunk4)
         lda, b_stride, steps, z = np.int64(kp), np.int64(n16 * 2), np.int64(kp // 2), np.int16(zx)
-        for q in range(0, m, ROWS):
-            rows = min(ROWS, m - q)
-            for i in range(rows):
-                xr, ar = x[r0 + q + i], a[i]
+        group = 16 * max(1, PANEL_GROUP_BYTES // (kp * 32))  # a panel: kp x 16 int16
+        for c0 in range(0, m, CHUNK_ROWS):
+            n_rows = min(CHUNK_ROWS, m - c0)
+            for i in range(n_rows):
+                xr, ar = x[r0 + c0 + i], a[i]
                 for j in range(k):
                     ar[j] = np.int16(xr[j]) - z  # in [-255, 255]
-            if direct:
-                _tiles_into(af, lda, b, b_stride, gf, q * o, n16, steps)
-                continue
-            for n0 in range(0, n16, 16):
-                _tile16(af, np.int64(0), lda, b, np.int64(n0 * 2), b_stride, pf, np.int64(n0), np.int64(n16), steps)
-            for i in range(rows):
-                gr, pr = g[q + i], p[i]
-                for c in range(o):
-                    gr[c] = pr[c]
+            for i in range(n_rows, -(-n_rows // ROWS) * ROWS):
+                a[i, :] = 0
+            base = c0 * n16 if is_g else 0
+            for g0 in range(0, n16, group):
+                for q in range(0, n_rows, ROWS):
+                    for n0 in range(g0, min(n16, g0 + group), 16):
+                        _tile16(af, np.int64(q * kp), lda, b, np.int64(n0 * 2), b_stride, dst,
+                                np.int64(base + q * n16 + n0), np.int64(n16), steps)
+            if not is_g:
+                for i in range(n_rows):
+                    gr, src = g[c0 + i], dst[i * n16:]
+                    for c in range(g.shape[1]):
+                        gr[c] = src[c]
 
     def _block_sums(x, r0, m, zx, b, n16, shift, wsums, g):
         """G for the m rows of x from r0 into g (int64) on the tiles of the packed filter ``b``'s instruction set
