@@ -80,8 +80,8 @@ def make_session(
     input fixes (``--input-shape`` re-declares it; see :func:`redeclare_input`).
     ``spin=False``: the pool's threads sleep as soon as a run ends (``session.intra_op.allow_spinning`` 0), for a
     session whose runs alternate with the simulation's in one process. Spinning, they kept a core from the
-    simulation for about 90 ms after each float run (MobileNetV2 at batch 1 on 2 vCPUs: the simulation's first five
-    runs after a float run took 21-24 ms against 11); onnxruntime's own runs are then about 15% slower.
+    simulation for about 90 ms after each float run (MobileNetV2 at batch 1 on 2 vCPUs: the simulation's first four
+    runs after a float run took 21-24 ms, the fifth 17, against 11); onnxruntime's own runs are then about 15% slower.
     """
     if isinstance(model, (str, os.PathLike)) and not os.path.isfile(model):
         raise MaceqError(f"{os.fspath(model)}: float model not found (pass --float-model)")
