@@ -16,10 +16,17 @@ Every cell runs the simulation on one thread per worker: the one-worker cell in 
 as each worker process does), so that the speed-up measures the cores the workers add, not the threads the
 one-process run would take by itself (``--threads default`` keeps runtime/threads.py's choice there).
 
-``--images N`` repeats the eval photos (symbolic links in a temporary folder) up to N images, so that start-up
-costs can be told apart from per-image work. The Ray cells start a local cluster with as many CPUs as workers
-(its own start-up is timed apart, in the ``ray start`` line). On a machine with C CPUs, scaling past C workers
-cannot be linear: the table prints the CPU count.
+``--images N`` repeats the eval photos (symbolic links in a temporary folder) up to N images. Given two counts
+(``--images 1456,2912``), every cell runs on both, and the table also splits each worker count's time into what the
+images cost and what the evaluation costs whatever their number (``T(n) = fixed + n * per_image``, solved from the
+two counts): the speed-up of the per-image part is how the work itself scales with workers, the fixed part is the
+pool's start (processes, imports, each worker's first shard: models prepared, kernels loaded) and the merge. The
+Ray cells run on one local cluster with as many CPUs as the most workers, started before the cells (its own start
+is timed apart, in the ``ray start`` line); its worker processes are Ray's and live from cell to cell. Before the
+cells of each worker count, an untimed evaluation of one batch per worker starts what lives on from call to call
+(the local forkserver, Ray's worker processes with the simulation imported), so that every cell pays the same
+start; the warm-up line prints what that first call took. On a machine with C CPUs, scaling past C workers cannot
+be linear: the table prints the CPU count.
 """
 from __future__ import annotations
 
@@ -71,27 +78,59 @@ def float_seconds(model_path: str, data: ImageFolder, batch_size: int = 16) -> f
     return time.perf_counter() - t0
 
 
-def measure(models: dict, model_path: str, data: ImageFolder, workers: list[int], executors: list[str]) -> list[dict]:
+def measure(models: dict, model_path: str, data: dict, workers: list[int], executors: list[str]) -> list[dict]:
+    """One row per device, executor, worker count and image count (``data``: count -> folder)."""
     rows = []
     for device, model in models.items():
         base = {}
         for ex in executors:
             for n in workers:
+                # the first call's own costs, kept out of the cells (the forkserver, Ray's workers, plans)
+                small = next(iter(data.values()))
+                small = small.shard(0, min(len(small), 16 * n))
                 t0 = time.perf_counter()
-                res = evaluate(model, model_path, data, device=device, workers=n, executor=ex, progress=False)
-                sec = time.perf_counter() - t0
-                metrics = res.to_dict()
-                if ex not in base:
-                    base[ex] = (n, sec, metrics)
-                elif metrics != base[ex][2]:
-                    raise MaceqError(f"{device} {ex} x{n}: metrics differ from {base[ex][0]} worker(s)")
-                speedup = base[ex][1] / sec * base[ex][0]  # over the first count, taken as linear up to it
-                rows.append({"device": device, "executor": ex, "workers": n, "seconds": round(sec, 2),
-                             "images_per_s": round(len(data) / sec, 2), "speedup": round(speedup, 2),
-                             "efficiency": round(speedup / n, 2), "agreement": metrics["top1_agreement"]})
-                print(f"  {device:<4} {ex:<6} x{n}: {sec:7.1f} s  {len(data) / sec:6.2f} img/s  "
-                      f"speed-up {speedup:4.2f}  efficiency {speedup / n:4.2f}", flush=True)
+                evaluate(model, model_path, small, device=device, workers=n, executor=ex, progress=False)
+                print(f"  {device:<4} {ex:<6} x{n:<3} warm-up on {len(small)} images: "
+                      f"{time.perf_counter() - t0:.1f} s (not in the cells)", flush=True)
+                for count, folder in data.items():
+                    t0 = time.perf_counter()
+                    res = evaluate(model, model_path, folder, device=device, workers=n, executor=ex, progress=False)
+                    sec = time.perf_counter() - t0
+                    metrics = res.to_dict()
+                    key = (ex, count)
+                    if key not in base:
+                        base[key] = (n, sec, metrics)
+                    elif metrics != base[key][2]:
+                        raise MaceqError(f"{device} {ex} x{n}, {count} images: metrics differ from {base[key][0]} "
+                                         "worker(s)")
+                    speedup = base[key][1] / sec * base[key][0]  # over the first count, taken as linear up to it
+                    rows.append({"device": device, "executor": ex, "workers": n, "images": count,
+                                 "seconds": round(sec, 2), "images_per_s": round(count / sec, 2),
+                                 "speedup": round(speedup, 2), "efficiency": round(speedup / n, 2),
+                                 "agreement": metrics["top1_agreement"]})
+                    print(f"  {device:<4} {ex:<6} x{n:<3} {count:>6} images: {sec:7.1f} s  {count / sec:6.2f} img/s  "
+                          f"speed-up {speedup:5.2f}  efficiency {speedup / n:4.2f}", flush=True)
     return rows
+
+
+def split_fixed(rows: list[dict]) -> list[dict]:
+    """Per device, executor and worker count measured at two image counts n1 < n2: ``T(n) = fixed + n * per_image``
+    solved from the two, and the per-image part's speed-up over the first worker count (taken as linear up to it)."""
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["device"], r["executor"], r["workers"]), {})[r["images"]] = r["seconds"]
+    out, first = [], {}
+    for (device, ex, n), times in cells.items():
+        if len(times) != 2:
+            continue
+        (n1, t1), (n2, t2) = sorted(times.items())
+        per_image = (t2 - t1) / (n2 - n1)
+        base = first.setdefault((device, ex), (n, per_image))
+        speedup = base[1] / per_image * base[0] if per_image > 0 else float("nan")
+        out.append({"device": device, "executor": ex, "workers": n, "fixed_s": round(t1 - n1 * per_image, 2),
+                    "per_image_ms": round(1e3 * per_image, 3), "per_image_speedup": round(speedup, 2),
+                    "per_image_efficiency": round(speedup / n, 2)})
+    return out
 
 
 def main(argv=None) -> int:
@@ -102,7 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--devices", default="cpu,dsp")
     p.add_argument("--workers", default="1,2")
     p.add_argument("--executors", default="local,ray")
-    p.add_argument("--images", type=int, default=None, help="repeat the eval photos up to this many images")
+    p.add_argument("--images", default=None,
+                   help="repeat the eval photos up to this many images; two counts (n1,n2) split fixed and per-image "
+                        "costs")
     p.add_argument("--threads", choices=("one", "default"), default="one",
                    help="threads of the one-worker cell (workers always use one each)")
     p.add_argument("--json", help="also write the rows as JSON here")
@@ -111,8 +152,10 @@ def main(argv=None) -> int:
         devices = [Device.parse(d.strip()).value for d in args.devices.split(",") if d.strip()]
         executors = [Executor.parse(e.strip()).value for e in args.executors.split(",") if e.strip()]
         workers = sorted({int(w) for w in args.workers.split(",") if w.strip()})
-        if not workers or workers[0] < 1 or (args.images is not None and args.images < 1):
-            raise MaceqError("--workers and --images take positive integers")
+        counts = [None] if args.images is None else sorted({int(c) for c in args.images.split(",") if c.strip()})
+        if not workers or workers[0] < 1 or (args.images is not None and (not counts or counts[0] < 1)) \
+                or len(counts) > 2:
+            raise MaceqError("--workers takes positive integers, --images one or two")
     except (MaceqError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -124,12 +167,16 @@ def main(argv=None) -> int:
         res = quantize(args.model, args.calib, output_dir=Path(tmp) / "q", preprocess=pre,
                        config=QuantConfig(max_images=32), progress=False, devices=tuple(devices))
         models = {Device.parse(d).value: load(f.yml) for d, f in res.per_device.items()}
-        folder = Path(args.eval) if args.images is None else repeated_folder(Path(args.eval), args.images,
-                                                                            Path(tmp) / "images")
-        data = ImageFolder(folder, pre, labels=None)
-        t_float = float_seconds(args.model, data)
-        print(f"{len(data)} images, {len(os.sched_getaffinity(0))} CPUs; onnxruntime float alone: {t_float:.1f} s "
-              f"({len(data) / t_float:.1f} img/s)", flush=True)
+        data = {}
+        for count in counts:
+            folder = Path(args.eval) if count is None else repeated_folder(Path(args.eval), count,
+                                                                           Path(tmp) / f"images{count}")
+            folder = ImageFolder(folder, pre, labels=None)
+            data[len(folder)] = folder
+        largest = data[max(data)]
+        t_float = float_seconds(args.model, largest)
+        print(f"{len(largest)} images, {len(os.sched_getaffinity(0))} CPUs; onnxruntime float alone: {t_float:.1f} s "
+              f"({len(largest) / t_float:.1f} img/s)", flush=True)
         if "ray" in executors:
             from maceq.calibrate.parallel import init_ray
 
@@ -137,14 +184,24 @@ def main(argv=None) -> int:
             init_ray(address=None, num_cpus=max(workers))
             print(f"ray start: {time.perf_counter() - t0:.1f} s (not in the cells)", flush=True)
         rows = measure(models, args.model, data, workers, executors)
-    print("\n| device | executor | workers | seconds | images/s | speed-up | efficiency | x onnxruntime float |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| device | executor | workers | images | seconds | images/s | speed-up | efficiency "
+          "| x onnxruntime float |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['device']} | {r['executor']} | {r['workers']} | {r['seconds']:.1f} | {r['images_per_s']:.2f} | "
-              f"{r['speedup']:.2f} | {r['efficiency']:.2f} | {r['seconds'] / t_float:.0f}x |")
+        print(f"| {r['device']} | {r['executor']} | {r['workers']} | {r['images']} | {r['seconds']:.1f} | "
+              f"{r['images_per_s']:.2f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
+              f"{r['seconds'] / (t_float * r['images'] / len(largest)):.0f}x |")
+    split = split_fixed(rows)
+    if split:
+        print("\n| device | executor | workers | fixed, s | per image, ms | per-image speed-up "
+              "| per-image efficiency |")
+        print("|---|---|---|---|---|---|---|")
+        for r in split:
+            print(f"| {r['device']} | {r['executor']} | {r['workers']} | {r['fixed_s']:.2f} | {r['per_image_ms']:.2f} "
+                  f"| {r['per_image_speedup']:.2f} | {r['per_image_efficiency']:.2f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"float_seconds": t_float, "images": len(data), "rows": rows},
-                                              indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"float_seconds": t_float, "images": len(largest), "rows": rows,
+                                               "split": split}, indent=1) + "\n")
     return 0
 
 

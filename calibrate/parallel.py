@@ -147,8 +147,9 @@ _WORKER_QUEUE: Any = None
 
 
 #: What the forkserver imports once, so that each worker forked from it starts with them loaded (the main module
-#: too, as ``spawn`` imports it in each worker: tasks may be defined there).
-_PRELOAD = ("__main__", "numpy", "onnxruntime", "maceq.runtime.model", "maceq.calibrate.runner")
+#: too, as ``spawn`` imports it in each worker: tasks may be defined there); the last one loads numba's CPU target.
+_PRELOAD = ("__main__", "numpy", "onnxruntime", "maceq.runtime.model", "maceq.calibrate.runner",
+            "maceq.calibrate.forkserver")
 
 
 def _local_context():
@@ -310,12 +311,19 @@ class TaskPool:
         return [f.result() for f in futures]
 
     def _map_ray(self, fn, items, on_done) -> list:
+        """At most ``workers`` tasks in flight (a cluster of more CPUs would otherwise run more at once), the next
+        item submitted as one ends."""
         ray = self._ray
-        refs = [self._remote.remote(fn, self._shared_ref, it) for it in items]
-        index = {r: i for i, r in enumerate(refs)}
-        pending = list(refs)
+        refs: list = []
+        index: dict = {}
+        pending: list = []
         try:
-            while pending:
+            while pending or len(refs) < len(items):
+                while len(pending) < self.workers and len(refs) < len(items):
+                    r = self._remote.remote(fn, self._shared_ref, items[len(refs)])
+                    index[r] = len(refs)
+                    refs.append(r)
+                    pending.append(r)
                 done, pending = ray.wait(pending, num_returns=1)
                 for r in done:
                     result = ray.get(r)

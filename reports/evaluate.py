@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import sys
+import uuid
 import warnings
 from dataclasses import asdict, dataclass, field
 
@@ -169,27 +170,36 @@ class _Tally:
         return sqnr_db(math.fsum(self.signal), math.fsum(self.noise))
 
 
-def _tally(models: dict[str, Model], float_model, data: ImageFolder, *, batch_size: int, report) -> dict:
-    """Per device (``models``: device -> its model of one float model), the top-1 agreement, top-5 containment and
-    label hits of ``data``, image by image: each batch decoded and run through the float model once for them all.
+class _FloatModel:
+    """The float model's session for models of one input shape, opened once and kept for every batch.
 
-    The float session's threads sleep as soon as a batch ends (``spin=False``): spinning, they took a core from the
+    The session's threads sleep as soon as a batch ends (``spin=False``): spinning, they took a core from the
     simulation's next runs (``maceq eval`` of MobileNetV2 on 91 photos, cpu, 2 vCPUs: 2.9-3.1 s, 2.3-2.6 s without).
     Where the simulation runs on one thread (a worker process, of which there is one per core, or a busy
     machine: runtime/threads.py), onnxruntime's float model does too (2 workers on 2 CPUs: 1.23x over one worker
     with its default pool, 1.47x with one thread)."""
-    first = next(iter(models.values()))
-    sess = make_session(float_model, input_shape=first.input_shape(first.input_names[0]),
-                        intra_op_threads=1 if threads.current() == 1 else None, spin=False)
-    f_in = sess.get_inputs()[0].name
-    runner = BatchedSession(sess, f_in)
-    outs = [o.name for o in sess.get_outputs()]
+
+    def __init__(self, float_model, input_shape) -> None:
+        sess = make_session(float_model, input_shape=input_shape,
+                            intra_op_threads=1 if threads.current() == 1 else None, spin=False)
+        self.input = sess.get_inputs()[0].name
+        self.outputs = [o.name for o in sess.get_outputs()]
+        self.runner = BatchedSession(sess, self.input)
+
+    def logits(self, batch, outputs) -> list[np.ndarray]:
+        """The float outputs named ``outputs`` (the first where a name is not the float model's) per image."""
+        f_all = self.runner.run(None, {self.input: batch.data})
+        return [f_all[self.outputs.index(o) if o in self.outputs else 0].reshape(len(batch.data), -1)
+                for o in outputs]
+
+
+def _tally(models: dict[str, Model], floats: _FloatModel, data: ImageFolder, *, batch_size: int, report) -> dict:
+    """Per device (``models``: device -> its model of one float model), the top-1 agreement, top-5 containment and
+    label hits of ``data``, image by image: each batch decoded and run through the float model once for them all."""
     tallies = {d: _Tally() for d in models}
     for batch in data.iter_batches(batch_size):
-        f_all = runner.run(None, {f_in: batch.data})
-        for d, model in models.items():
-            out_name = model.output_names[0]
-            f_logits = f_all[outs.index(out_name) if out_name in outs else 0].reshape(len(batch.data), -1)
+        f_all = floats.logits(batch, [m.output_names[0] for m in models.values()])
+        for (d, model), f_logits in zip(models.items(), f_all):
             _count(tallies[d], model, d, f_logits, batch)
         if report is not None:
             report(len(batch.data))
@@ -217,13 +227,21 @@ def _count(t: _Tally, model: Model, device: str, f_logits: np.ndarray, batch) ->
         t.images += 1
 
 
+#: Shards per worker: the images go to the pool in about this many pieces of whole batches per worker, so that a
+#: worker that starts late or runs slowly takes fewer of them. A worker keeps its models and float sessions from one
+#: shard to the next (:func:`_worker_models`).
+SHARDS_PER_WORKER = 4
+
+
 @dataclass(frozen=True)
 class _EvalJob:
-    """What each evaluation shard needs: each device's quantized model as read, the float model."""
+    """What each evaluation shard needs: each device's quantized model as read, the float model. ``token`` names the
+    job, so that a worker knows its models from an earlier shard (Ray hands each task its own copy of the job)."""
 
     loaded: tuple  # (device, Model.loaded) pairs
     float_model: str
     batch_size: int
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 def eval_job(models: dict[str, Model], float_model: str | os.PathLike, batch_size: int) -> _EvalJob:
@@ -233,6 +251,24 @@ def eval_job(models: dict[str, Model], float_model: str | os.PathLike, batch_siz
                     batch_size)
 
 
+#: This worker's models and float sessions for the job it last ran: (token, {device: Model}, {shape: _FloatModel}).
+_WORKER_JOB: list = []
+
+
+def _worker_models(job: _EvalJob, devices) -> tuple[dict[str, Model], _FloatModel]:
+    """The job's models for ``devices`` and their float session, made on this worker's first shard of the job and
+    kept (a model keeps its prepared plan, so later shards start at full speed); another job's are dropped."""
+    if not _WORKER_JOB or _WORKER_JOB[0] != job.token:
+        _WORKER_JOB[:] = [job.token, {d: Model(loaded) for d, loaded in job.loaded}, {}]
+    _, models, floats = _WORKER_JOB
+    chosen = {d: models[d] for d in devices}
+    first = next(iter(chosen.values()))
+    shape = tuple(first.input_shape(first.input_names[0]))
+    if shape not in floats:
+        floats[shape] = _FloatModel(job.float_model, shape)
+    return chosen, floats[shape]
+
+
 def _eval_shard(job: _EvalJob, item: tuple, report) -> dict:
     """One shard of whole batches for some of the job's devices (``item``: (devices, shard)), in a worker process or
     Ray task: its tally per device."""
@@ -240,8 +276,8 @@ def _eval_shard(job: _EvalJob, item: tuple, report) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreadableImageWarning)
         try:
-            return _tally({d: Model(loaded) for d, loaded in job.loaded if d in devices}, job.float_model, shard,
-                          batch_size=job.batch_size, report=report)
+            models, floats = _worker_models(job, devices)
+            return _tally(models, floats, shard, batch_size=job.batch_size, report=report)
         except MaceqError:
             if shard.skipped != len(shard.files):
                 raise
@@ -278,12 +314,13 @@ def evaluate_many(models: dict[str, Model], float_model: str | os.PathLike, data
                leave=False)
     with bar:
         if check_workers(workers) == 1:
-            tallies = _tally(dict(models), float_model, data, batch_size=batch_size, report=bar.update)
+            tallies = _tally(dict(models), _FloatModel(float_model, next(iter(shapes))), data, batch_size=batch_size,
+                             report=bar.update)
         else:
             tallies = {d: _Tally() for d in models}
             keys = dict(zip((Device.parse(d).value for d in models), models))
             items = [(tuple(keys), data.shard(a, b))
-                     for a, b in shard_ranges(len(data), batch_size=batch_size, shards=workers)]
+                     for a, b in shard_ranges(len(data), batch_size=batch_size, shards=workers * SHARDS_PER_WORKER)]
             with contextlib.ExitStack() as stack:
                 if pool is None:
                     pool = stack.enter_context(TaskPool(eval_job(models, float_model, batch_size), executor=executor,

@@ -162,7 +162,7 @@ def test_local_workers_fork_from_a_clean_server_with_the_callers_import_path(tmp
 
     (tmp_path / "callers_tasks.py").write_text(
         "import os, sys\n\ndef facts(shared, item, report):\n"
-        "    return shared, item, os.getppid(), 'onnxruntime' in sys.modules\n")
+        "    return shared, item, os.getppid(), 'onnxruntime' in sys.modules, 'numba.np.arraymath' in sys.modules\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     tasks = importlib.import_module("callers_tasks")
     has = "forkserver" in multiprocessing.get_all_start_methods()
@@ -172,6 +172,7 @@ def test_local_workers_fork_from_a_clean_server_with_the_callers_import_path(tmp
     assert [g[:2] for g in got] == [("job", 0), ("job", 1), ("job", 2)] and all(g[3] for g in got)
     if has:  # a forked worker's parent is the server, a spawned one's is this process
         assert all(g[2] != os.getpid() for g in got) and len({g[2] for g in got}) == 1
+        assert all(g[4] for g in got)  # numba's CPU target loaded in the server, before the fork
 
 
 def test_fmnist_exact_for_1_2_3_workers_with_unreadable_files(fmnist):
@@ -268,6 +269,25 @@ def test_ray_equals_local(fmnist, ray_cluster):
                          progress=False)
 
 
+def test_ray_runs_at_most_workers_tasks_at_once(ray_cluster):
+    """On a cluster of more CPUs than ``workers``, the pool still runs ``workers`` tasks at a time (the evaluation
+    gives it more shards than workers), and returns the results in item order."""
+    import time
+
+    from maceq.calibrate.parallel import TaskPool
+
+    def stamp(shared, item, report):
+        t0 = time.time()
+        time.sleep(0.3)
+        return shared, item, t0, time.time()
+
+    with TaskPool("job", executor="ray", workers=1) as pool:
+        got = pool.map(stamp, [0, 1, 2])
+    assert [g[:2] for g in got] == [("job", 0), ("job", 1), ("job", 2)]
+    spans = sorted(g[2:] for g in got)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # one after another, on a cluster of 2 CPUs
+
+
 @pytest.fixture(scope="module")
 def demo():
     from maceq.app.mixed import auto_mixed_precision
@@ -321,11 +341,22 @@ def test_mixed_precision_on_ray_equals_sequential(demo, ray_cluster, tmp_path):
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_evaluation_sharded_over_workers_equals_one_process(demo, tmp_path, workers):
-    """Whole batches per shard, counts summed: every number, labels and an unreadable file included."""
+def test_evaluation_sharded_over_workers_equals_one_process(demo, tmp_path, workers, monkeypatch):
+    """Whole batches per shard, more shards than workers (each worker takes several, keeping its models), counts
+    summed: every number, labels and an unreadable file included."""
+    from maceq.calibrate.parallel import TaskPool
     from maceq.quant.export import write_quantized
     from maceq.reports.evaluate import evaluate
     from maceq.runtime import load
+
+    sizes = []
+    real_map = TaskPool.map
+
+    def counting_map(self, fn, items, **kw):
+        sizes.extend(len(shard.files) for _, shard in items)
+        return real_map(self, fn, items, **kw)
+
+    monkeypatch.setattr(TaskPool, "map", counting_map)
 
     cal, _ = demo
     model = load(write_quantized(cal, output_dir=tmp_path / "m").files.yml)
@@ -342,3 +373,31 @@ def test_evaluation_sharded_over_workers_equals_one_process(demo, tmp_path, work
         many = evaluate(model, assets / "fmnist_mobilenet.onnx", data, batch_size=4, progress=False, workers=workers)
     assert one.images == 25 and one.skipped == 1 and one.float_accuracy is not None
     assert many.to_dict() == one.to_dict()
+    assert sizes == [4, 4, 4, 4, 4, 4, 2]  # 26 files in batches of 4: 7 shards for 2 or 3 workers
+
+
+def test_an_evaluation_worker_keeps_its_models_from_shard_to_shard(demo, tmp_path):
+    """A worker's later shards of a job reuse the models (with their prepared plans) and the float session of its
+    first; a new job's replace them. The tallies are those of one pass over the same images."""
+    from maceq.quant.export import write_quantized
+    from maceq.reports import evaluate as ev
+    from maceq.runtime import load
+
+    cal, _ = demo
+    model = load(write_quantized(cal, output_dir=tmp_path / "m").files.yml)
+    assets = Path(maceq.__file__).parent / "datasets" / "default"
+    data = ImageFolder(assets / "test", PRESETS["fmnist"], classes=FASHION_MNIST_CLASSES)
+    data.files, data.labels = data.files[:12], data.labels[:12]
+    job = ev.eval_job({"cpu": model}, assets / "fmnist_mobilenet.onnx", 4)
+    first = ev._eval_shard(job, (("cpu",), data.shard(0, 8)), None)["cpu"]
+    kept = ev._WORKER_JOB[1]["cpu"], next(iter(ev._WORKER_JOB[2].values()))
+    second = ev._eval_shard(job, (("cpu",), data.shard(8, 12)), None)["cpu"]
+    assert (ev._WORKER_JOB[1]["cpu"], next(iter(ev._WORKER_JOB[2].values()))) == kept
+    assert kept[0] is not model and kept[0]._prepared  # its own model, prepared on the first shard
+    first.add(second)
+    whole = ev._eval_shard(ev.eval_job({"cpu": model}, assets / "fmnist_mobilenet.onnx", 4),
+                           (("cpu",), data.shard(0, 12)), None)["cpu"]
+    assert ev._WORKER_JOB[1]["cpu"] is not kept[0]  # another job: models made afresh
+    assert (first.images, first.agree, first.top5, first.f_correct, first.q_correct) == \
+        (whole.images, whole.agree, whole.top5, whole.f_correct, whole.q_correct) and first.images == 12
+    assert first.sqnr_db() == whole.sqnr_db()

@@ -92,6 +92,18 @@ def available() -> bool:
     return hit
 
 
+def load_target() -> None:
+    """Load numba's CPU target (its typing and lowering registries, which import numba's numpy support and, for
+    its BLAS check, scipy) without compiling or loading any kernel: about half a second of a process's first
+    kernel call. The local workers' forkserver calls it, so that each worker forked from it starts with the target
+    loaded. No thread pool starts here (loading a parallel kernel would start GNU OpenMP's, which does not survive
+    a fork)."""
+    if njit is not None:
+        from numba.core.registry import cpu_target
+
+        cpu_target.target_context.refresh()
+
+
 if njit is not None:
     _jit = njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
     # The convolutions run their blocks on numba's thread pool (runtime/threads.py sets its size).
