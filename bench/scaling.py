@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -133,6 +134,46 @@ def split_fixed(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _machine_task(args) -> float:
+    """In a worker: wait for the others, then ``runs`` runs of one engine on one thread; the seconds they took."""
+    engine, model, yml, x, runs, barrier = args
+    threads.limit(1)
+    if engine == "onnxruntime":
+        sess = make_session(model, intra_op_threads=1)
+        name = sess.get_inputs()[0].name
+        step = lambda: sess.run(None, {name: x})  # noqa: E731
+    else:
+        sim = load(yml)
+        step = lambda: sim.run({sim.input_names[0]: x}, device=engine)  # noqa: E731
+    step()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        step()
+    return time.perf_counter() - t0
+
+
+def machine_scaling(model_path: str, ymls: dict, x, workers: list[int], runs: int) -> list[dict]:
+    """The same independent single-thread loop in N processes at once, for onnxruntime's float model and each
+    device's simulation: throughput over one process's. No images, no pool, no merging: how far this machine
+    scales N copies of the same work, the reference for the evaluation's scaling."""
+    ctx = multiprocessing.get_context("spawn")
+    rows = []
+    for engine, yml in [("onnxruntime", None)] + list(ymls.items()):
+        base = None
+        for n in workers:
+            with ctx.Manager() as mgr, ctx.Pool(n) as pool:
+                barrier = mgr.Barrier(n)
+                secs = pool.map(_machine_task, [(engine, model_path, yml, x, runs, barrier)] * n)
+            rate = n * runs / max(secs)
+            base = base or (n, rate)
+            speedup = rate / base[1] * base[0]
+            rows.append({"engine": engine, "workers": n, "runs_per_s": round(rate, 1), "speedup": round(speedup, 2)})
+            print(f"  machine {engine:<11} x{n:<3} {rate:7.1f} runs/s  speed-up {speedup:5.2f}  "
+                  f"efficiency {speedup / n:4.2f}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(SHARED / "models" / "mobilenet_v2.onnx"))
@@ -146,6 +187,9 @@ def main(argv=None) -> int:
                         "costs")
     p.add_argument("--threads", choices=("one", "default"), default="one",
                    help="threads of the one-worker cell (workers always use one each)")
+    p.add_argument("--machine-runs", type=int, default=0,
+                   help="also run the same single-thread loop of this many runs in N processes at once, for "
+                        "onnxruntime's float model and each device's simulation (how far the machine itself scales)")
     p.add_argument("--json", help="also write the rows as JSON here")
     args = p.parse_args(argv)
     try:
@@ -183,6 +227,11 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             init_ray(address=None, num_cpus=max(workers))
             print(f"ray start: {time.perf_counter() - t0:.1f} s (not in the cells)", flush=True)
+        machine = []
+        if args.machine_runs > 0:
+            x = next(largest.iter_batches(1)).data
+            machine = machine_scaling(args.model, {d: str(f.yml) for d, f in res.per_device.items()}, x, workers,
+                                      args.machine_runs)
         rows = measure(models, args.model, data, workers, executors)
     print("\n| device | executor | workers | images | seconds | images/s | speed-up | efficiency "
           "| x onnxruntime float |")
@@ -201,7 +250,7 @@ def main(argv=None) -> int:
                   f"| {r['per_image_speedup']:.2f} | {r['per_image_efficiency']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"float_seconds": t_float, "images": len(largest), "rows": rows,
-                                               "split": split}, indent=1) + "\n")
+                                               "split": split, "machine": machine}, indent=1) + "\n")
     return 0
 
 

@@ -46,7 +46,7 @@ Executors (:class:`Executor`, :class:`TaskPool`)
 -----------------------------------------------
 * ``local``: :class:`concurrent.futures.ProcessPoolExecutor` with the ``forkserver`` start method where the
   platform has it, else ``spawn`` (onnxruntime's thread pools do not survive ``fork``; the forkserver is a clean
-  process that imports the simulation once, :func:`_local_context`). ``workers == 1`` runs
+  process that imports the simulation once, calibrate/forkserver.py). ``workers == 1`` runs
   :func:`~maceq.calibrate.runner.collect` in this process instead (on the same batches: the
   result is the same function of the data either way). Each process gets
   ``max(1, cpu_count // workers)`` onnxruntime intra-op threads unless told otherwise.
@@ -62,7 +62,6 @@ The same pool runs the candidate evaluations of the mixed-precision search (app/
 from __future__ import annotations
 
 import ctypes
-import multiprocessing
 import os
 import sys
 import warnings
@@ -75,6 +74,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tqdm import tqdm
 
+from maceq.calibrate import forkserver
 from maceq.calibrate.runner import as_model_proto, collect, expose_outputs
 from maceq.calibrate.stats import DEFAULT_BINS, StatsCollector
 from maceq.datasets.images import ImageFolder, UnreadableImageWarning
@@ -146,25 +146,6 @@ _WORKER_SHARED: Any = None
 _WORKER_QUEUE: Any = None
 
 
-#: What the forkserver imports once, so that each worker forked from it starts with them loaded (the main module
-#: too, as ``spawn`` imports it in each worker: tasks may be defined there); the last one loads numba's CPU target.
-_PRELOAD = ("__main__", "numpy", "onnxruntime", "maceq.runtime.model", "maceq.calibrate.runner",
-            "maceq.calibrate.forkserver")
-
-
-def _local_context():
-    """The local workers' start method: ``forkserver`` where the platform has it, else ``spawn``. Both start workers
-    from a fresh interpreter without this process's threads (onnxruntime's and numba's pools do not survive
-    ``fork``); the forkserver imports numpy, onnxruntime and the simulation once and forks each worker from that
-    clean process, where ``spawn`` made every worker import them itself, all at once (0.9 s a worker here, more
-    on a 16-core machine where 8 of them imported together: ``maceq eval`` on 8 workers went from 10.5 to 7.3 s)."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(list(_PRELOAD))
-        return ctx
-    return multiprocessing.get_context("spawn")
-
-
 def _init_local_worker(shared: Any, queue: Any) -> None:
     global _WORKER_SHARED, _WORKER_QUEUE
     _WORKER_SHARED, _WORKER_QUEUE = shared, queue
@@ -232,7 +213,7 @@ class TaskPool:
         self._queue = None
         self._ray = None
         if self.executor is Executor.LOCAL:
-            ctx = _local_context()
+            ctx = forkserver.context()
             self._queue = ctx.Queue() if progress_queue else None
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx,
                                              initializer=_init_local_worker, initargs=(shared, self._queue))

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYER = {"errors": 0, "yamlio": 1, "datasets": 2, "mace": 2, "runtime": 3, "calibrate": 4, "quant": 5,
          "reports": 6, "app": 7}
 #: function-local imports of maceq modules that are allowed: each loads an optional dependency
-OPTIONAL_IMPORTS = {("maceq.runtime.model", "maceq.runtime.opencl.backend")}  # pyopencl
+OPTIONAL_IMPORTS = {("maceq.runtime.model", "maceq.runtime.opencl.backend"),  # pyopencl
+                    ("maceq.app.launch", "maceq.app.cli")}  # after the workers' forkserver has started
 MAX_LOCAL_IMPORTS = 5
 MAX_FUNCTION_LINES = 80
 

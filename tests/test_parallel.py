@@ -158,7 +158,8 @@ def test_local_workers_fork_from_a_clean_server_with_the_callers_import_path(tmp
     import multiprocessing
     import os
 
-    from maceq.calibrate.parallel import TaskPool, _local_context
+    from maceq.calibrate import forkserver
+    from maceq.calibrate.parallel import TaskPool
 
     (tmp_path / "callers_tasks.py").write_text(
         "import os, sys\n\ndef facts(shared, item, report):\n"
@@ -166,7 +167,7 @@ def test_local_workers_fork_from_a_clean_server_with_the_callers_import_path(tmp
     monkeypatch.syspath_prepend(str(tmp_path))
     tasks = importlib.import_module("callers_tasks")
     has = "forkserver" in multiprocessing.get_all_start_methods()
-    assert _local_context().get_start_method() == ("forkserver" if has else "spawn")
+    assert forkserver.context().get_start_method() == ("forkserver" if has else "spawn")
     with TaskPool("job", workers=2) as pool:
         got = pool.map(tasks.facts, [0, 1, 2])
     assert [g[:2] for g in got] == [("job", 0), ("job", 1), ("job", 2)] and all(g[3] for g in got)
@@ -267,6 +268,29 @@ def test_ray_equals_local(fmnist, ray_cluster):
     with pytest.raises(MaceqError, match="no readable image"), pytest.warns(UnreadableImageWarning):
         collect_parallel(fmnist.model, fmnist.names, d, workers=2, executor="ray", input_name=fmnist.input,
                          progress=False)
+
+
+@pytest.mark.unit
+def test_console_scripts_start_the_forkserver_before_importing_the_tool():
+    """The console scripts enter through app/launch.py, which imports nothing heavy and starts the local workers'
+    forkserver exactly when the command line asks for more than one local worker."""
+    import subprocess
+
+    import tomllib
+
+    from maceq.app.launch import starts_local_workers
+
+    scripts = tomllib.loads((Path(maceq.__file__).parent / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"quantize": "maceq.app.launch:quantize_main", "maceq": "maceq.app.launch:maceq_main"}
+    code = "import sys, maceq.app.launch; print(sorted(m for m in ('numpy', 'onnx', 'onnxruntime', 'maceq.app.cli') " \
+           "if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+    yes = [["eval", "m.yml", "--images", "d", "--workers", "2"], ["report", "--workers=8", "m.yml"],
+           ["m.onnx", "--workers", "3", "--executor", "local"], ["--executor=local", "--workers=16"]]
+    no = [["eval", "m.yml"], ["eval", "--workers", "1"], ["--workers", "4", "--executor", "ray"],
+          ["--executor=ray", "--workers=4"], ["--workers"], ["--workers", "two"], ["--workers=-3"], ["eval", "2"]]
+    assert [starts_local_workers(a) for a in yes] == [True] * 4
+    assert [starts_local_workers(a) for a in no] == [False] * 8
 
 
 def test_ray_runs_at_most_workers_tasks_at_once(ray_cluster):
