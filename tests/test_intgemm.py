@@ -51,6 +51,26 @@ def test_tiles_equal_int64_sums(isa, rows, k, o):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_tiles_over_a_block_of_several_chunks(isa):
+    """One block of 133 rows on one thread, 200 channels at K = 1,280: on AVX2 chunks of 64, 64 and 5 rows (the last
+    tile with zero rows below) and groups of two 16-channel panels, the last group with the channel tail; on VNNI
+    tiles of 4 rows over every panel, the last with zero rows below."""
+    from maceq.runtime import threads
+
+    rows, k, o = 133, 1280, 200
+    assert 2 * intgemm.CHUNK_ROWS < rows and intgemm.PANEL_GROUP_BYTES // (k * 16 * 2) * 16 < o
+    rng = np.random.default_rng(133)
+    wo = _filter(rng, o, k)
+    f = intgemm.PackedFilter(wo, isa)
+    with threads.section(1):
+        assert intgemm._rows_per_block(rows, o) >= rows  # one block: its chunks are the kernel's
+        for zx in (0, 255, 77):
+            x = rng.integers(0, 256, (rows, k), dtype=np.uint8)
+            x[0], x[-1] = 255, 0
+            assert np.array_equal(intgemm.pointwise_sums(x, zx, f), (x.astype(np.int64) - zx) @ wo.T)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows, k, o", [(1, 16, 3), (37, 40, 33), (1001, 96, 24), (6, 300, 70), (37, 40, 32),
                                         (1001, 24, 64)])
 def test_dsp_codes_on_the_tiles_equal_sums_then_requant(isa, rows, k, o):
