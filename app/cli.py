@@ -241,8 +241,8 @@ def _add_recovery_args(p: argparse.ArgumentParser) -> None:
 def _add_eval_workers(p: argparse.ArgumentParser) -> None:
     """--workers/--executor/--ray-address of ``maceq eval`` and ``maceq report``."""
     p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="evaluate on N shards of whole batches at once (local processes or Ray tasks); the "
-                        "numbers do not depend on N (default 1: in this process)")
+                   help="evaluate on N workers at once (local processes or Ray tasks), each taking shards of "
+                        "whole batches as it frees up; the numbers do not depend on N (default 1: in this process)")
     p.add_argument("--executor", choices=["local", "ray"], default="local", help="where the shards run")
     p.add_argument("--ray-address", metavar="ADDR", help="Ray cluster for --executor ray")
 
